@@ -1,0 +1,30 @@
+# ReFlow quick start. Each target creates/reuses .venv and installs what is missing.
+#   make train   - train the tiny embedded default on CPU (2 ranks, no download)
+#   make test    - run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+NPROC  ?= 2
+CONFIG ?= train_configs/tiny.toml
+STAMP  := $(VENV)/.reflow-installed
+
+.PHONY: install train test bench clean-venv
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports next to the CPU torch.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PY) -c "import torch, torchtitan, vllm, tomli, tensorboard, pytest; print('reflow stack ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	NPROC=$(NPROC) CONFIG=$(CONFIG) PYTHON=$(PY) bash torchrun_scripts/run_train.sh $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

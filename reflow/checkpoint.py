@@ -1,0 +1,69 @@
+"""Distributed checkpoints of the trainer (model and optimizer shards, step, policy version).
+
+Saved with torch.distributed.checkpoint under <dump_folder>/<checkpoint.folder>/step-N,
+over the trainer ranks' process group. A checkpoint directory is only
+considered complete once its ``.metadata`` file exists, so a run killed
+mid-save resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch.distributed.checkpoint as dcp
+
+from reflow.config.job_config import JobConfig
+
+
+class CheckpointManager:
+    def __init__(self, cfg: JobConfig, group):
+        self.enabled = cfg.checkpoint.enable
+        self.interval = cfg.checkpoint.interval
+        self.folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        self.load_step = cfg.checkpoint.load_step
+        self.group = group
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    def available_steps(self) -> list[int]:
+        if not os.path.isdir(self.folder):
+            return []
+        steps = []
+        for name in os.listdir(self.folder):
+            m = re.fullmatch(r"step-(\d+)", name)
+            if m and os.path.exists(os.path.join(self.folder, name, ".metadata")):
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+
+    def should_save(self, step: int, last: bool) -> bool:
+        return self.enabled and (step % self.interval == 0 or last)
+
+    def save(self, step: int, trainer, extra: dict) -> str:
+        state = {"trainer": trainer.state_dict(), "extra": dict(extra)}
+        path = self._path(step)
+        dcp.save(state, checkpoint_id=path, process_group=self.group)
+        return path
+
+    def maybe_load(self, trainer) -> dict | None:
+        """Load the requested (or latest) checkpoint into ``trainer``; returns its extra state, or None."""
+        if not self.enabled:
+            return None
+        steps = self.available_steps()
+        if self.load_step >= 0:
+            if self.load_step not in steps:
+                raise ValueError(
+                    f"checkpoint.load_step = {self.load_step}: no complete checkpoint at {self._path(self.load_step)} "
+                    f"(available: {steps})"
+                )
+            step = self.load_step
+        elif steps:
+            step = steps[-1]
+        else:
+            return None
+        trainer.init_optimizer_state()
+        state = {"trainer": trainer.state_dict(), "extra": {"step": 0, "policy_version": 0}}
+        dcp.load(state, checkpoint_id=self._path(step), process_group=self.group)
+        trainer.load_state_dict(state["trainer"])
+        return state["extra"]

@@ -1,0 +1,162 @@
+"""The one config tree of ReFlow.
+
+Every section is a small dataclass; every field has a typed default and a
+docstring (the string literal right below it, which ``--help`` prints).
+``reflow.config.manager`` loads TOML into this tree, applies
+``--section.key=value`` overrides and validates the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("sync", "one_step_off", "async", "reflow")
+
+
+@dataclass
+class Job:
+    description: str = "ReFlow run"
+    """Free text shown in logs."""
+    dump_folder: str = "./outputs/tiny"
+    """Where metrics.jsonl, TensorBoard events (tb/), checkpoints and exports go."""
+    seed: int = 0
+    """Seed for prompt order, vLLM sampling and parameter init."""
+
+
+@dataclass
+class Model:
+    recipe: str = "tiny"
+    """Model zoo recipe: the name of a TOML file in models/ (e.g. 'tiny', 'qwen3_8b')."""
+    hf_checkpoint: str = ""
+    """Hugging Face-format folder (config.json, tokenizer, safetensors). Empty: the recipe's."""
+    attention: str = "sdpa"
+    """Trainer attention: 'sdpa' (causal, has a CPU backward) or 'flex' (GPU only)."""
+
+
+@dataclass
+class Training:
+    mode: str = "sync"
+    """Training mode: 'sync' (on-policy, colocated), 'one_step_off', 'async' or 'reflow'."""
+    steps: int = 60
+    """Number of trainer steps (optimizer updates on a fresh batch)."""
+    prompts_per_step: int = 16
+    """Prompts per trainer step, across all ranks (each yields a group of group_size samples)."""
+    group_size: int = 8
+    """GRPO group size G: completions sampled per prompt."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    max_norm: float = 1.0
+    """Gradient clipping max norm (<= 0 disables clipping)."""
+    clip_eps: float = 0.2
+    """PPO clip range epsilon (ratio clipped to [1-eps, 1+eps])."""
+    clip_eps_high: float = 0.0
+    """Upper clip epsilon if > 0 (asymmetric 'clip-higher'); 0 means use clip_eps."""
+    kl_coef: float = 0.0
+    """Coefficient of the k3 KL penalty to the frozen reference policy (0 disables the reference)."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    num_minibatches: int = 1
+    """Optimizer updates per pass (the batch is split into this many minibatches)."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward on one rank (gradient accumulation inside a minibatch)."""
+    advantage_eps: float = 1e-6
+    """Added to the group reward std when normalizing advantages."""
+    normalize_adv_std: bool = True
+    """Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style centring."""
+    is_truncation: float = 2.0
+    """Truncated importance weight cap against vLLM behavior log-probs (<= 0 disables the correction)."""
+
+
+@dataclass
+class Rollout:
+    max_new_tokens: int = 32
+    """Completion length cap."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer scores log-probs at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0 = off; keep 1.0 for exact behavior log-probs)."""
+    max_num_seqs: int = 128
+    """vLLM: sequences one engine step may hold."""
+    max_model_len: int = 256
+    """vLLM: max prompt + completion length."""
+    kv_cache_gib: float = 1.0
+    """CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU: fraction of the device vLLM may take (the trainer shares it)."""
+    enforce_eager: bool = True
+    """vLLM: skip CUDA graphs / compilation (always True on CPU)."""
+    tensor_parallel_degree: int = 1
+    """vLLM tensor parallel degree per engine (s_R). Only 1 is supported in this build."""
+
+
+@dataclass
+class Placement:
+    trainer_replicate_degree: int = 1
+    """HSDP replica dimension of the trainer pool (n_T)."""
+    trainer_shard_degree: int = -1
+    """HSDP shard dimension (s_T); -1 = all remaining trainer ranks."""
+    num_rollout_ranks: int = 0
+    """Ranks that only generate. 0 = colocated: every rank both trains and generates (sync mode)."""
+
+
+@dataclass
+class WeightSync:
+    interval: int = 1
+    """Trainer steps between weight syncs to the rollout engines (k)."""
+    bucket_size_mb: float = 64.0
+    """Flat broadcast bucket size in MiB."""
+
+
+@dataclass
+class Task:
+    name: str = "chain_sum"
+    """Task (reward environment): a key of reflow.tasks.TASKS."""
+    train_file: str = "assets/data/chain_sum_train.jsonl"
+    """JSONL prompts with answers."""
+    eval_file: str = "assets/data/chain_sum_eval.jsonl"
+    """JSONL held-out prompts (greedy accuracy is logged every eval_interval steps)."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Write metrics every N steps."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard events under <dump_folder>/tb/."""
+    enable_progress_bar: bool = True
+    """Rank 0 draws a one-line progress bar on the console."""
+    eval_interval: int = 0
+    """Greedy evaluation on the eval file every N steps (0 = off)."""
+    eval_num_prompts: int = 64
+    """Prompts used by an evaluation."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save distributed checkpoints (model, optimizer, trainer state)."""
+    interval: int = 50
+    """Steps between checkpoints."""
+    folder: str = "checkpoint"
+    """Sub-folder of dump_folder."""
+    load_step: int = -1
+    """Resume from this step (-1: latest found, if any)."""
+    export_hf: bool = True
+    """At the end, export the trained policy to <dump_folder>/hf_final in Hugging Face format."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    rollout: Rollout = field(default_factory=Rollout)
+    placement: Placement = field(default_factory=Placement)
+    weight_sync: WeightSync = field(default_factory=WeightSync)
+    task: Task = field(default_factory=Task)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)

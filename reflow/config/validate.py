@@ -1,0 +1,97 @@
+"""Checks that need more than one field: combinations, the world size, the model recipe."""
+
+from __future__ import annotations
+
+from reflow.config.job_config import MODES, JobConfig
+from reflow.config.manager import ConfigError
+
+
+def validate(cfg: JobConfig, where=lambda key: "default") -> None:
+    """Raise ConfigError naming the key and where its value came from (file, command line or default)."""
+
+    def fail(key: str, msg: str) -> None:
+        raise ConfigError(f"{where(key)}: '{key}' {msg}")
+
+    t, r = cfg.training, cfg.rollout
+    if t.mode not in MODES:
+        fail("training.mode", f"must be one of {', '.join(MODES)}, got {t.mode!r}")
+    if t.mode != "sync":
+        fail("training.mode", f"= {t.mode!r} is not available in this build yet (available: 'sync')")
+    for key, value, low in (
+        ("training.steps", t.steps, 1),
+        ("training.prompts_per_step", t.prompts_per_step, 1),
+        ("training.group_size", t.group_size, 1),
+        ("training.ppo_epochs", t.ppo_epochs, 1),
+        ("training.num_minibatches", t.num_minibatches, 1),
+        ("training.micro_batch_size", t.micro_batch_size, 1),
+        ("rollout.max_new_tokens", r.max_new_tokens, 1),
+        ("rollout.max_num_seqs", r.max_num_seqs, 1),
+        ("weight_sync.interval", cfg.weight_sync.interval, 1),
+        ("metrics.log_freq", cfg.metrics.log_freq, 1),
+        ("checkpoint.interval", cfg.checkpoint.interval, 1),
+    ):
+        if value < low:
+            fail(key, f"must be >= {low}, got {value}")
+    if t.lr <= 0:
+        fail("training.lr", f"must be > 0, got {t.lr}")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        fail("training.betas", f"must be two numbers in [0, 1), got {t.betas}")
+    if not 0 <= t.clip_eps < 1:
+        fail("training.clip_eps", f"must be in [0, 1), got {t.clip_eps}")
+    if t.kl_coef < 0:
+        fail("training.kl_coef", f"must be >= 0, got {t.kl_coef}")
+    if r.temperature <= 0:
+        fail("rollout.temperature", f"must be > 0 (the trainer scores log-probs at this temperature), got {r.temperature}")
+    if not 0 < r.top_p <= 1:
+        fail("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    if r.tensor_parallel_degree != 1:
+        fail("rollout.tensor_parallel_degree", "> 1 is not supported in this build (one engine per rank)")
+    if t.mode == "sync" and cfg.weight_sync.interval != 1:
+        fail("weight_sync.interval", f"must be 1 in 'sync' mode (on-policy), got {cfg.weight_sync.interval}")
+    if t.mode == "sync" and t.group_size * t.prompts_per_step < 1:
+        fail("training.prompts_per_step", "gives an empty batch")
+    if cfg.model.attention not in ("sdpa", "flex"):
+        fail("model.attention", f"must be 'sdpa' or 'flex', got {cfg.model.attention!r}")
+
+
+def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default"):
+    """Build the placement for this world size; errors name the placement keys."""
+    from reflow.distributed.placement import build_placement
+
+    p = cfg.placement
+    try:
+        placement = build_placement(
+            world_size, p.trainer_replicate_degree, p.trainer_shard_degree, p.num_rollout_ranks,
+            source=where("placement.trainer_shard_degree"),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.training.mode == "sync" and cfg.training.prompts_per_step % world_size:
+        raise ConfigError(
+            f"{where('training.prompts_per_step')}: 'training.prompts_per_step' = {cfg.training.prompts_per_step} "
+            f"must be divisible by the number of ranks ({world_size}) in 'sync' mode"
+        )
+    return placement
+
+
+def validate_recipe(cfg: JobConfig, recipe, placement, where=lambda key: "default") -> list[str]:
+    """Check the run against the model recipe; returns warnings (e.g. a GPU recipe on a CPU machine)."""
+    warnings = []
+    par = recipe.parallelism
+    if placement.world_size < par.min_world_size:
+        warnings.append(
+            f"recipe {recipe.name} recommends at least {par.min_world_size} ranks; this run has {placement.world_size}"
+        )
+    if par.trainer_shard_degree > 0 and placement.shard_degree != par.trainer_shard_degree:
+        warnings.append(
+            f"recipe {recipe.name} recommends placement.trainer_shard_degree = {par.trainer_shard_degree}; "
+            f"this run uses {placement.shard_degree}"
+        )
+    if cfg.rollout.max_model_len > recipe.architecture.max_seq_len:
+        raise ConfigError(
+            f"{where('rollout.max_model_len')}: 'rollout.max_model_len' = {cfg.rollout.max_model_len} exceeds the "
+            f"model's max_seq_len {recipe.architecture.max_seq_len} ({recipe.path})"
+        )
+    if recipe.device == "cuda":
+        warnings.append(f"recipe {recipe.name} is meant for GPUs (vLLM {recipe.vllm.dtype}, TP {par.rollout_tensor_parallel_degree})")
+    return warnings

@@ -1,0 +1,3 @@
+from reflow.metrics.logger import MetricsLogger
+
+__all__ = ["MetricsLogger"]

@@ -1,0 +1,201 @@
+"""What every training mode shares: the built components, the step loop, metrics, eval, checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from reflow.checkpoint import CheckpointManager
+from reflow.config.job_config import JobConfig
+from reflow.distributed.placement import Placement
+from reflow.metrics.logger import MetricsLogger
+from reflow.modes.rollouts import PromptTokenizer, Sample, make_group_requests, score
+from reflow.rollout.engine import RolloutEngine
+from reflow.tasks.base import Problem, Task, iterate_epochs
+from reflow.trainer.batch import TrainBatch
+from reflow.trainer.policy import PolicyTrainer, StepStats
+from reflow.weight_sync.broadcast import WeightSync
+
+
+@dataclass
+class Components:
+    """Everything a mode needs, built once by ``reflow.train.build_components``."""
+
+    cfg: JobConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    placement: Placement
+    trainer: PolicyTrainer | None
+    trainer_group: object
+    engine: RolloutEngine
+    weight_sync: WeightSync
+    task: Task
+    tokenizer: PromptTokenizer
+    train_problems: list[Problem]
+    eval_problems: list[Problem]
+    logger: MetricsLogger
+    checkpoints: CheckpointManager
+
+
+class StepTimer:
+    """Accumulates wall time per phase: ``with timer("gen"): ...``."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def get(self, name: str) -> float:
+        return self.times.get(name, 0.0)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+class ModeBase:
+    name = "base"
+
+    def __init__(self, c: Components):
+        self.c = c
+        self.version = 0
+        self.step = 0
+        self._stream = iterate_epochs(c.train_problems, c.cfg.job.seed)
+        self._drawn = 0
+
+    # ---- data ---------------------------------------------------------------
+
+    def next_prompts(self, n: int) -> list[Problem]:
+        self._drawn += n
+        return [next(self._stream) for _ in range(n)]
+
+    def _skip_prompts(self, n: int) -> None:
+        for _ in range(n):
+            next(self._stream)
+        self._drawn += n
+
+    # ---- the loop -------------------------------------------------------------
+
+    def train_one_step(self, step: int) -> dict:
+        raise NotImplementedError(f"mode {self.name} must implement train_one_step")
+
+    def resume(self) -> None:
+        c = self.c
+        if c.trainer is None:
+            return
+        extra = c.checkpoints.maybe_load(c.trainer)
+        if extra is None:
+            return
+        self.step = int(extra["step"])
+        self.version = int(extra["policy_version"])
+        self._skip_prompts(int(extra.get("prompts_drawn", 0)))
+        # the engines still hold the initial weights
+        c.weight_sync.sync(c.trainer, c.engine, self.version)
+        c.logger.info(f"resumed from step {self.step} (policy version {self.version})")
+
+    def run(self) -> list[dict]:
+        c = self.c
+        cfg = c.cfg
+        self.resume()
+        history = []
+        while self.step < cfg.training.steps:
+            self.step += 1
+            row = self.train_one_step(self.step)
+            row["mode"] = self.name
+            if cfg.metrics.eval_interval and self.step % cfg.metrics.eval_interval == 0:
+                row["eval_reward"] = self.evaluate(cfg.metrics.eval_num_prompts)
+            history.append(row)
+            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+                c.logger.log(self.step, row)
+            last = self.step == cfg.training.steps
+            if c.checkpoints.should_save(self.step, last):
+                extra = {"step": self.step, "policy_version": self.version, "prompts_drawn": self._drawn}
+                path = c.checkpoints.save(self.step, c.trainer, extra)
+                c.logger.info(f"checkpoint saved: {path}")
+        return history
+
+    # ---- metrics ----------------------------------------------------------------
+
+    def step_metrics(
+        self,
+        samples: list[Sample],
+        batch: TrainBatch,
+        stats: StepStats,
+        timer: StepTimer,
+        trainer_wait_s: float,
+        rollout_wait_s: float,
+    ) -> dict:
+        """Global (all-rank) metrics of one step."""
+        c = self.c
+        comp_tokens = sum(len(s.output_ids) for s in samples)
+        trainer_tokens = int((batch.tokens != c.tokenizer.pad_id).sum().item()) if batch.size else 0
+        rewards = [s.reward for s in samples]
+        vec = torch.tensor(
+            [
+                sum(rewards),
+                sum(r * r for r in rewards),
+                len(samples),
+                comp_tokens,
+                trainer_tokens,
+                sum(1 for r in rewards if r >= 1.0),
+                sum(1 for s in samples if s.finish_reason == "length"),
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(vec)
+        maxlen = torch.tensor([max((len(s.output_ids) for s in samples), default=0)], dtype=torch.float64)
+        dist.all_reduce(maxlen, op=dist.ReduceOp.MAX)
+        n = max(vec[2].item(), 1.0)
+        step_time = timer.elapsed()
+        mean = vec[0].item() / n
+        return {
+            "reward_mean": mean,
+            "reward_std": max(vec[1].item() / n - mean * mean, 0.0) ** 0.5,
+            "solved_frac": vec[5].item() / n,
+            "loss": stats.loss,
+            "tokens_per_s": vec[4].item() / max(step_time, 1e-9),
+            "step_time_s": step_time,
+            "policy_version": self.version,
+            "num_samples": int(vec[2].item()),
+            "trainer_tokens": int(vec[4].item()),
+            "response_len_mean": vec[3].item() / n,
+            "response_len_max": int(maxlen.item()),
+            "truncated_frac": vec[6].item() / n,
+            "gen_time_s": timer.get("gen"),
+            "train_time_s": timer.get("train"),
+            "weight_sync_s": timer.get("sync"),
+            "trainer_idle_ratio": trainer_wait_s / max(step_time, 1e-9),
+            "rollout_idle_ratio": rollout_wait_s / max(step_time, 1e-9),
+            "grad_norm": stats.grad_norm,
+            "clip_fraction": stats.clip_fraction,
+            "is_weight_mean": stats.is_weight_mean,
+            "kl_ref": stats.kl_ref,
+            "behavior_logprob_gap": stats.behavior_kl,
+            "behavior_logprob_gap_max": stats.max_abs_logprob_diff,
+        }
+
+    # ---- evaluation ----------------------------------------------------------------
+
+    def evaluate(self, num_prompts: int) -> float:
+        """Mean reward of one sample per held-out prompt, at the rollout temperature."""
+        c = self.c
+        problems = c.eval_problems[:num_prompts][c.rank :: c.world_size] if c.placement.is_rollout(c.rank) else []
+        reqs = []
+        for p in problems:
+            reqs.extend(make_group_requests(p, c.task, c.tokenizer, 1, c.cfg.rollout.max_new_tokens, c.cfg.job.seed, -1))
+        done = c.engine.generate(reqs) if reqs else []
+        samples = score(done, c.task, c.tokenizer)
+        vec = torch.tensor([sum(s.reward for s in samples), len(samples)], dtype=torch.float64)
+        dist.all_reduce(vec)
+        return vec[0].item() / max(vec[1].item(), 1.0)

@@ -1,0 +1,116 @@
+"""Turning prompts into scored, packed training samples (shared by every mode)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from reflow.algorithms.grpo import group_advantages
+from reflow.rollout.engine import Request
+from reflow.tasks.base import Problem, Task
+from reflow.trainer.batch import TrainBatch, pack
+
+
+class PromptTokenizer:
+    """Wraps a Hugging Face tokenizer: encode prompts (BOS first when the tokenizer has one), decode completions."""
+
+    def __init__(self, hf_dir: str):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(hf_dir)
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        self.bos_id = self.tok.bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok(text, add_special_tokens=True).input_ids
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def request_seed(job_seed: int, uid: str, sample: int, version: int) -> int:
+    """A stable per-sample sampling seed (same run, same samples)."""
+    h = hashlib.blake2b(f"{job_seed}/{uid}/{sample}/{version}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+@dataclass
+class Sample:
+    """One finished trajectory with everything the trainer and the metrics need."""
+
+    uid: str
+    group_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    finish_reason: str | None
+    advantage: float = 0.0
+
+
+def make_group_requests(
+    problem: Problem, task: Task, tok: PromptTokenizer, group_size: int, max_tokens: int, job_seed: int, version: int
+) -> list[Request]:
+    """G sample-level requests for one prompt; they travel (and are scored) together."""
+    ids = tok.encode(task.format_prompt(problem))
+    return [
+        Request(
+            request_id=f"{problem.uid}/v{version}/{k}",
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            seed=request_seed(job_seed, problem.uid, k, version),
+            meta={"problem": problem, "group": f"{problem.uid}/v{version}"},
+        )
+        for k in range(group_size)
+    ]
+
+
+def score(requests: list[Request], task: Task, tok: PromptTokenizer) -> list[Sample]:
+    out = []
+    for r in requests:
+        problem: Problem = r.meta["problem"]
+        out.append(
+            Sample(
+                uid=r.request_id,
+                group_id=r.meta["group"],
+                prompt_ids=r.prompt_ids,
+                output_ids=r.output_ids,
+                logprobs=r.logprobs,
+                versions=r.versions,
+                reward=task.reward(problem, tok.decode(r.output_ids)),
+                finish_reason=r.finish_reason,
+            )
+        )
+    return out
+
+
+def assign_advantages(samples: list[Sample], normalize_std: bool, eps: float) -> None:
+    """GRPO advantages within each group (a group's samples are all present)."""
+    if not samples:
+        return
+    groups = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
+    rewards = torch.tensor([s.reward for s in samples])
+    gids = torch.tensor([groups[s.group_id] for s in samples])
+    adv = group_advantages(rewards, gids, normalize_std, eps)
+    for s, a in zip(samples, adv.tolist()):
+        s.advantage = a
+
+
+def to_batch(samples: list[Sample], pad_id: int, weights: list[float] | None = None) -> TrainBatch:
+    weights = weights if weights is not None else [1.0] * len(samples)
+    return pack(
+        [s.prompt_ids for s in samples],
+        [s.output_ids for s in samples],
+        [s.logprobs for s in samples],
+        [s.versions for s in samples],
+        [s.advantage for s in samples],
+        weights,
+        [s.reward for s in samples],
+        pad_id,
+    )

@@ -1,0 +1,157 @@
+"""The embedded vLLM engine of one rank.
+
+Every rank builds one at startup, at the same point of the program: building
+an engine creates process groups, so a rank that skips it hangs the others.
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and is
+driven through its request/step API, so a caller can interleave engine steps
+with anything else (polling for a weight sync, streaming finished samples).
+
+Each generated token carries the log-prob vLLM sampled it with (processed
+log-probs: after temperature) and the policy version of the weights that
+produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from reflow.config.job_config import JobConfig
+from reflow.model.recipe import Recipe
+
+logger = logging.getLogger("reflow")
+
+
+def set_vllm_env(cfg: JobConfig) -> None:
+    """vLLM reads these at import/engine build time."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.rollout.kv_cache_gib)))))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@dataclass
+class Request:
+    """A sample-level generation request (one completion of one prompt)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    seed: int
+    meta: dict = field(default_factory=dict)
+    # filled while generating
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class RolloutEngine:
+    def __init__(self, cfg: JobConfig, recipe: Recipe, hf_dir: str, seed: int):
+        set_vllm_env(cfg)
+        from vllm import LLM
+
+        r = cfg.rollout
+        on_gpu = torch.cuda.is_available()
+        kwargs = dict(
+            model=hf_dir,
+            dtype=recipe.vllm.dtype if on_gpu else "float32",
+            max_model_len=r.max_model_len,
+            max_num_seqs=r.max_num_seqs,
+            enforce_eager=True if not on_gpu else r.enforce_eager,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            tensor_parallel_size=r.tensor_parallel_degree,
+        )
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
+        t0 = time.time()
+        self.llm = LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self.build_time_s = time.time() - t0
+        self.cfg = cfg
+        self.version = 0
+        self.active: dict[str, Request] = {}
+
+    # ---- request/step API -------------------------------------------------
+
+    def _params(self, req: Request):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        r = self.cfg.rollout
+        return SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_tokens=req.max_tokens - len(req.output_ids),
+            logprobs=0,
+            seed=req.seed + len(req.output_ids),
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def add(self, req: Request) -> None:
+        """Queue a request. A request with output already (a held partial rollout) resumes from its prefix."""
+        from vllm.inputs import TokensPrompt
+
+        if req.max_tokens - len(req.output_ids) <= 0:
+            raise ValueError(f"request {req.request_id} has no tokens left to generate")
+        prompt = TokensPrompt(prompt_token_ids=req.prompt_ids + req.output_ids)
+        self.engine.add_request(req.request_id, prompt, self._params(req))
+        self.active[req.request_id] = req
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
+
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that finished in it."""
+        finished = []
+        for out in self.engine.step():
+            req = self.active.get(out.request_id)
+            if req is None:
+                continue
+            comp = out.outputs[0]  # DELTA output: only the tokens generated in this step
+            lps = comp.logprobs or []
+            for k, tok in enumerate(comp.token_ids):
+                req.output_ids.append(tok)
+                req.logprobs.append(float(lps[k][tok].logprob))
+                req.versions.append(self.version)
+            if out.finished:
+                req.finish_reason = comp.finish_reason
+                del self.active[out.request_id]
+                finished.append(req)
+        return finished
+
+    def generate(self, requests: Iterable[Request]) -> list[Request]:
+        """Run requests to completion (the synchronous path)."""
+        for req in requests:
+            self.add(req)
+        done: list[Request] = []
+        while self.active:
+            done.extend(self.step())
+        return done
+
+    # ---- weights -------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """Replace the engine's weights in place (HF names); returns seconds taken."""
+        t0 = time.time()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self.version = version
+        return time.time() - t0
+
+    def sleep(self) -> None:
+        """Free accelerator memory while this rank trains (a no-op on CPU)."""
+        if torch.cuda.is_available():
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if torch.cuda.is_available():
+            self.llm.wake_up()

@@ -1,0 +1,72 @@
+"""chain_sum: add a chain of single digits, writing every running sum.
+
+    prompt      "3+5+2+8="
+    completion  "8,10,18"      (the running sums; the last one is the answer)
+
+The number of terms follows a geometric tail, so the natural completion
+length varies widely (2 to ~40 characters), like reasoning traces whose
+length depends on the problem. The reward is 1 when the last number equals
+the true sum and every running sum is written correctly, 0.5 when only the
+final answer is right, and 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+from reflow.tasks.base import Problem
+
+
+@dataclass
+class ChainSumSpec:
+    min_terms: int = 2
+    max_terms: int = 14
+    tail_p: float = 0.3
+    """Geometric parameter: P(n_terms = min_terms + k) ~ (1 - tail_p)^k * tail_p."""
+
+
+def sample_problem(rng: random.Random, spec: ChainSumSpec, uid: str) -> Problem:
+    n = spec.min_terms
+    while n < spec.max_terms and rng.random() > spec.tail_p:
+        n += 1
+    terms = [rng.randint(0, 9) for _ in range(n)]
+    sums, total = [], terms[0]
+    for t in terms[1:]:
+        total += t
+        sums.append(str(total))
+    return Problem(uid=uid, prompt="+".join(map(str, terms)) + "=", answer=",".join(sums))
+
+
+def generate(num: int, seed: int, spec: ChainSumSpec | None = None, prefix: str = "cs") -> list[Problem]:
+    rng = random.Random(seed)
+    spec = spec or ChainSumSpec()
+    return [sample_problem(rng, spec, f"{prefix}-{seed}-{i}") for i in range(num)]
+
+
+def write_jsonl(problems: list[Problem], path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for p in problems:
+            f.write(json.dumps({"id": p.uid, "prompt": p.prompt, "answer": p.answer}) + "\n")
+
+
+class ChainSumTask:
+    """Verifier for chain_sum completions."""
+
+    name = "chain_sum"
+
+    def format_prompt(self, problem: Problem) -> str:
+        return problem.prompt
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        text = completion.strip()
+        want = problem.answer.split(",")
+        got = text.split(",")
+        if not got or not got[-1].strip().isdigit():
+            return 0.0
+        if [g.strip() for g in got] == want:
+            return 1.0
+        return 0.5 if got[-1].strip() == want[-1] else 0.0

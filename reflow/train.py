@@ -1,0 +1,184 @@
+"""ReFlow entry point.
+
+    torchrun --nproc-per-node N -m reflow.train --config train_configs/tiny.toml [--section.key=value ...]
+    python -m reflow.train --config train_configs/qwen3_8b.toml --dry-run     # print the resolved config
+
+Build order (every rank, same order: engine and mesh construction are collective):
+  1. config: TOML + overrides, validated against the world size and the model recipe
+  2. distributed: default process group, placement, trainer mesh and group
+  3. rollout engine: this rank's embedded vLLM engine
+  4. trainer: FSDP2 policy shard + optimizer (trainer ranks)
+  5. weight sync plan and process group
+  6. task, tokenizer, data, metrics, checkpoints
+then the chosen mode runs its loop, and the final policy is exported in HF format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+from reflow.config import ConfigError, ConfigManager, JobConfig, format_config
+from reflow.config.validate import validate, validate_recipe, validate_world
+from reflow.model.recipe import load_recipe, resolve_path
+
+logger = logging.getLogger("reflow")
+
+
+def resolve_hf_dir(cfg: JobConfig, recipe) -> str:
+    return resolve_path(cfg.model.hf_checkpoint or recipe.hf_checkpoint)
+
+
+def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
+    """Validate everything that can be checked without starting ranks; print the resolved config."""
+    from reflow.model.qwen3 import build_model_config, build_on_meta, check_architecture, count_params
+
+    world = int(os.environ.get("WORLD_SIZE", "0")) or _planned_world_size(cfg)
+    placement = validate_world(cfg, world, manager.where)
+    recipe = load_recipe(cfg.model.recipe)
+    warnings = validate_recipe(cfg, recipe, placement, manager.where)
+    model_cfg = build_model_config(recipe, cfg.model.attention)
+    diffs = check_architecture(recipe, model_cfg)
+    if diffs:
+        raise ConfigError(f"{recipe.path}: [architecture] disagrees with torchtitan: {'; '.join(diffs)}")
+    n = count_params(build_on_meta(model_cfg))
+    if n != recipe.num_params:
+        raise ConfigError(f"{recipe.path}: [recipe] num_params = {recipe.num_params}, but the model has {n}")
+    hf_dir = resolve_hf_dir(cfg, recipe)
+    if not os.path.isdir(hf_dir):
+        warnings.append(f"checkpoint folder {hf_dir} not found on this machine (needed to train)")
+    print(format_config(cfg))
+    print(
+        json.dumps(
+            {
+                "placement": placement.describe(),
+                "recipe": recipe.path,
+                "num_params": n,
+                "trainer_param_bytes_per_rank": 4 * n // placement.shard_degree,
+                "hf_checkpoint": hf_dir,
+                "warnings": warnings,
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+def _planned_world_size(cfg: JobConfig) -> int:
+    p = cfg.placement
+    if p.trainer_shard_degree > 0:
+        return p.trainer_replicate_degree * p.trainer_shard_degree + p.num_rollout_ranks
+    return p.trainer_replicate_degree + p.num_rollout_ranks
+
+
+def build_components(cfg: JobConfig, manager: ConfigManager):
+    import torch
+
+    from reflow.checkpoint import CheckpointManager
+    from reflow.distributed import build_trainer_group, build_trainer_mesh, init_distributed
+    from reflow.metrics import MetricsLogger
+    from reflow.modes.base import Components
+    from reflow.modes.rollouts import PromptTokenizer
+    from reflow.rollout.engine import RolloutEngine
+    from reflow.tasks import build_task, load_problems
+    from reflow.trainer.hf_io import check_hf_dir
+    from reflow.trainer.policy import PolicyTrainer
+    from reflow.weight_sync import WeightSync, build_sync_plan
+
+    # 1. config against the world and the recipe (before any heavy build)
+    recipe = load_recipe(cfg.model.recipe)
+    hf_dir = resolve_hf_dir(cfg, recipe)
+    check_hf_dir(hf_dir, "model.hf_checkpoint" if cfg.model.hf_checkpoint else f"{recipe.path}: [recipe] hf_checkpoint")
+    task = build_task(cfg.task.name)
+    train_problems = load_problems(resolve_path(cfg.task.train_file))
+    eval_problems = load_problems(resolve_path(cfg.task.eval_file))
+    # 2. distributed
+    rank, world, device = init_distributed()
+    placement = validate_world(cfg, world, manager.where)
+    for w in validate_recipe(cfg, recipe, placement, manager.where):
+        if rank == 0:
+            logger.warning(w)
+    torch.manual_seed(cfg.job.seed)
+    if device.type == "cpu":
+        # one compute thread per rank: ranks share the machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    mesh = build_trainer_mesh(placement)
+    trainer_group = build_trainer_group(placement)
+    log = MetricsLogger(
+        cfg.job.dump_folder, rank == 0, cfg.training.steps, cfg.metrics.enable_tensorboard, cfg.metrics.enable_progress_bar
+    )
+    log.info(f"{placement.describe()}; mode {cfg.training.mode}; model {recipe.name} from {hf_dir}")
+    # 3. the embedded vLLM engine (every rank, same point)
+    t0 = time.time()
+    engine = RolloutEngine(cfg, recipe, hf_dir, seed=cfg.job.seed + rank)
+    log.info(f"vLLM engines built in {time.time() - t0:.1f}s")
+    if device.type == "cpu":
+        log.info("CPU run: vLLM sleep/wake and trainer offload are no-ops")
+    # 4. trainer shard
+    trainer = None
+    if placement.is_trainer(rank):
+        trainer = PolicyTrainer(cfg, recipe, hf_dir, mesh, trainer_group, device)
+    # 5. weight sync (every rank derives the same plan)
+    from reflow.model.qwen3 import build_model_config
+    from reflow.trainer.hf_io import build_adapter
+
+    model_cfg = build_model_config(recipe, cfg.model.attention)
+    sync_dtype = torch.float32 if device.type == "cpu" else getattr(torch, recipe.vllm.dtype)
+    plan = build_sync_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.weight_sync.bucket_size_mb, sync_dtype)
+    weight_sync = WeightSync(placement, plan, rank, device)
+    # 6. the rest
+    return Components(
+        cfg=cfg,
+        rank=rank,
+        world_size=world,
+        device=device,
+        placement=placement,
+        trainer=trainer,
+        trainer_group=trainer_group,
+        engine=engine,
+        weight_sync=weight_sync,
+        task=task,
+        tokenizer=PromptTokenizer(hf_dir),
+        train_problems=train_problems,
+        eval_problems=eval_problems,
+        logger=log,
+        checkpoints=CheckpointManager(cfg, trainer_group),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[reflow %(levelname)s] %(message)s")
+    manager = ConfigManager()
+    try:
+        cfg = manager.parse_args(argv)
+        validate(cfg, manager.where)
+        if manager.dry_run:
+            return dry_run(cfg, manager)
+    except (ConfigError, ValueError) as e:
+        print(f"reflow: config error: {e}", file=sys.stderr)
+        return 2
+
+    import torch.distributed as dist
+
+    from reflow.modes import MODES
+
+    c = build_components(cfg, manager)
+    mode = MODES[cfg.training.mode](c)
+    t0 = time.time()
+    mode.run()
+    c.logger.info(f"trained {cfg.training.steps} steps in {time.time() - t0:.1f}s; metrics in {cfg.job.dump_folder}/metrics.jsonl")
+    if cfg.checkpoint.export_hf and c.trainer is not None:
+        out = os.path.join(cfg.job.dump_folder, "hf_final")
+        c.trainer.export_hf(out, write=c.rank == 0)
+        c.logger.info(f"exported the policy in Hugging Face format to {out}")
+    c.logger.close()
+    dist.barrier()
+    # vLLM's exit hook tears down its own process groups; it needs the default group alive then
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

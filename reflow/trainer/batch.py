@@ -1,0 +1,91 @@
+"""The trainer's input: packed token rows with per-token behavior data.
+
+Everything per token is aligned to *targets*: column t describes the token at
+position t+1, predicted from positions <= t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    tokens: torch.Tensor  # (B, T) long, right-padded prompt + completion
+    loss_mask: torch.Tensor  # (B, T-1) float, 1 on completion targets
+    behavior_logprobs: torch.Tensor  # (B, T-1) float, vLLM's log-probs of the sampled tokens
+    versions: torch.Tensor  # (B, T-1) long, policy version that produced each completion token (-1 elsewhere)
+    advantages: torch.Tensor  # (B,) float
+    weights: torch.Tensor  # (B,) float, loss weight omega_i (tau * omega_i for replayed samples)
+    rewards: torch.Tensor  # (B,) float
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def slice(self, start: int, end: int) -> "TrainBatch":
+        return TrainBatch(**{f.name: getattr(self, f.name)[start:end] for f in fields(self)})
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+def pack(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    behavior_logprobs: list[list[float]],
+    versions: list[list[int]],
+    advantages: list[float],
+    weights: list[float],
+    rewards: list[float],
+    pad_id: int,
+) -> TrainBatch:
+    """Right-pad prompt+completion rows into a TrainBatch."""
+    assert len(prompts) == len(completions) == len(behavior_logprobs) == len(advantages)
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    B = len(prompts)
+    tokens = torch.full((B, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, width - 1)
+    blp = torch.zeros(B, width - 1)
+    ver = torch.full((B, width - 1), -1, dtype=torch.long)
+    for i, (p, c, lp, v) in enumerate(zip(prompts, completions, behavior_logprobs, versions)):
+        assert len(c) == len(lp) == len(v), "one behavior log-prob and version per completion token"
+        row = p + c
+        tokens[i, : len(row)] = torch.tensor(row)
+        s, e = len(p) - 1, len(p) - 1 + len(c)
+        mask[i, s:e] = 1.0
+        blp[i, s:e] = torch.tensor(lp, dtype=torch.float32)
+        ver[i, s:e] = torch.tensor(v, dtype=torch.long)
+    return TrainBatch(
+        tokens=tokens,
+        loss_mask=mask,
+        behavior_logprobs=blp,
+        versions=ver,
+        advantages=torch.tensor(advantages, dtype=torch.float32),
+        weights=torch.tensor(weights, dtype=torch.float32),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+    )
+
+
+def zero_batch(template: TrainBatch | None) -> TrainBatch:
+    """A one-row batch that contributes nothing (zero weight and mask) but runs the FSDP collectives."""
+    tokens = template.tokens[:1].clone() if template is not None and template.size else torch.zeros(1, 2, dtype=torch.long)
+    w = tokens.shape[1] - 1
+    return TrainBatch(
+        tokens=tokens,
+        loss_mask=torch.zeros(1, w),
+        behavior_logprobs=torch.zeros(1, w),
+        versions=torch.full((1, w), -1, dtype=torch.long),
+        advantages=torch.zeros(1),
+        weights=torch.zeros(1),
+        rewards=torch.zeros(1),
+    )
+
+
+def index(batch: TrainBatch, idx: torch.Tensor) -> TrainBatch:
+    return TrainBatch(**{f.name: getattr(batch, f.name)[idx] for f in fields(batch)})

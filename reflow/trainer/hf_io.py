@@ -1,0 +1,79 @@
+"""Hugging Face checkpoints in and out of the sharded torchtitan model.
+
+Loading reads only what each rank's shards need (DCP's Hugging Face storage
+reader over the adapter's HF names). Export gathers full tensors on the
+trainer mesh and writes safetensors plus the tokenizer and config files of
+the source checkpoint, so vLLM (and transformers) load the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def build_adapter(model_config, hf_dir: str | None):
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    has_index = bool(hf_dir) and os.path.exists(os.path.join(hf_dir, "model.safetensors.index.json"))
+    return Qwen3StateDictAdapter(model_config, hf_dir if has_index else None)
+
+
+def check_hf_dir(hf_dir: str, key: str = "model.hf_checkpoint") -> None:
+    if not hf_dir or not os.path.isdir(hf_dir):
+        raise ValueError(f"{key}: Hugging Face checkpoint folder not found: {hf_dir!r}")
+    if not any(f.endswith(".safetensors") for f in os.listdir(hf_dir)):
+        raise ValueError(f"{key}: no .safetensors files in {hf_dir}")
+
+
+@torch.no_grad()
+def load_hf_into(model: torch.nn.Module, adapter, hf_dir: str, process_group=None) -> None:
+    """Fill the (sharded) model from a HF safetensors folder."""
+    check_hf_dir(hf_dir)
+    state = model.state_dict()
+    hf_state = adapter.to_hf(state)
+    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(hf_dir), process_group=process_group)
+    missing, unexpected = model.load_state_dict(adapter.from_hf(hf_state), strict=False)
+    missing = [m for m in missing if "rope" not in m and "freqs" not in m]
+    if missing or unexpected:
+        raise ValueError(f"{hf_dir}: checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Gather a DTensor on its mesh (a collective for every mesh member)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def export_hf(model: torch.nn.Module, adapter, out_dir: str, source_dir: str, write: bool) -> None:
+    """Write the policy as a HF folder. Every trainer rank calls (gathers); only ``write`` ranks write."""
+    from safetensors.torch import save_file
+
+    full = {k: full_tensor(v).detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    hf = adapter.to_hf(full)
+    if not write:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf.items()}, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    for name in HF_SIDE_FILES:
+        src = os.path.join(source_dir, name)
+        if os.path.exists(src):
+            shutil.copy(src, os.path.join(out_dir, name))
+    with open(os.path.join(out_dir, "reflow_export.json"), "w") as f:
+        json.dump({"source": os.path.abspath(source_dir), "num_tensors": len(hf)}, f)

