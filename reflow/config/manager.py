@@ -53,9 +53,9 @@ def _field_type(section_cls: type, name: str) -> Any:
     return hints[name]
 
 
-def _coerce(value: Any, typ: Any, where: str) -> Any:
+def _coerce(value: Any, typ: Any, where: str, from_cli: bool) -> Any:
     """Check (TOML values) or convert (command-line strings) ``value`` to ``typ``."""
-    if isinstance(value, str) and typ is not str:
+    if from_cli and typ is not str:
         # command-line string: parse it as a TOML value when it looks like one
         text = value.strip()
         if typ is bool:
@@ -87,7 +87,7 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     return value
 
 
-def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str) -> None:
+def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str, from_cli: bool = False) -> None:
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section not in sections:
         raise ConfigError(f"{source}: unknown section [{section}] (known: {', '.join(sections)})")
@@ -96,7 +96,7 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str) -> Non
     if key not in keys:
         raise ConfigError(f"{source}: unknown key '{section}.{key}' (known in [{section}]: {', '.join(sorted(keys))})")
     typ = _field_type(type(sec), key)
-    setattr(sec, key, _coerce(value, typ, f"{source}: '{section}.{key}'"))
+    setattr(sec, key, _coerce(value, typ, f"{source}: '{section}.{key}'", from_cli))
 
 
 class ConfigManager:
@@ -135,7 +135,7 @@ class ConfigManager:
                 name, value = arg[2:], args[i + 1]
                 i += 1
             section, key = name.split(".", 1)
-            _set(self.config, section.replace("-", "_"), key.replace("-", "_"), value, "command line")
+            _set(self.config, section.replace("-", "_"), key.replace("-", "_"), value, "command line", from_cli=True)
             self.sources[f"{section}.{key}"] = "command line"
             i += 1
 

@@ -1,0 +1,119 @@
+"""Config loading, overrides and the errors a user sees."""
+
+import glob
+import os
+
+import pytest
+
+from reflow.config import ConfigError, ConfigManager
+from reflow.config.validate import validate, validate_world
+from tests.conftest import ROOT
+
+
+def write(tmp_path, text: str) -> str:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_toml_and_override(tmp_path):
+    path = write(tmp_path, "[training]\nlr = 3e-4\nsteps = 7\n[rollout]\ntemperature = 0.7\n")
+    m = ConfigManager()
+    cfg = m.parse_args(["--config", path, "--training.steps=9", "--rollout.max_new_tokens", "12"])
+    assert cfg.training.lr == 3e-4
+    assert cfg.training.steps == 9
+    assert cfg.rollout.max_new_tokens == 12
+    assert cfg.rollout.temperature == 0.7
+    assert m.where("training.steps") == "command line"
+    assert m.where("training.lr") == path
+
+
+def test_int_promotes_to_float(tmp_path):
+    cfg = ConfigManager().parse_args(["--config", write(tmp_path, "[training]\nlr = 1\n")])
+    assert cfg.training.lr == 1.0 and isinstance(cfg.training.lr, float)
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    path = write(tmp_path, "[training]\nlearning_rate = 1e-4\n")
+    with pytest.raises(ConfigError) as e:
+        ConfigManager().parse_args(["--config", path])
+    assert "training.learning_rate" in str(e.value) and path in str(e.value)
+
+
+def test_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown section \[optimizer\]"):
+        ConfigManager().parse_args(["--config", write(tmp_path, "[optimizer]\nlr = 1\n")])
+
+
+def test_wrong_type_names_key(tmp_path):
+    path = write(tmp_path, '[training]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match=r"'training.steps'.*integer"):
+        ConfigManager().parse_args(["--config", path])
+    with pytest.raises(ConfigError, match=r"command line.*'training.steps'"):
+        ConfigManager().parse_args(["--training.steps=1.5"])
+    with pytest.raises(ConfigError, match=r"'metrics.enable_tensorboard'.*boolean"):
+        ConfigManager().parse_args(["--metrics.enable_tensorboard=maybe"])
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        ConfigManager().parse_args(["--config", write(tmp_path, "[training\n")])
+    with pytest.raises(ConfigError, match="not found"):
+        ConfigManager().parse_args(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="cannot parse"):
+        ConfigManager().parse_args(["lr=3"])
+
+
+def test_validate_ranges_name_source(tmp_path):
+    path = write(tmp_path, "[training]\ngroup_size = 0\n")
+    m = ConfigManager()
+    cfg = m.parse_args(["--config", path])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, m.where)
+    assert "training.group_size" in str(e.value) and path in str(e.value)
+
+
+def test_sync_mode_needs_interval_one():
+    m = ConfigManager()
+    cfg = m.parse_args(["--weight_sync.interval=2"])
+    with pytest.raises(ConfigError, match="weight_sync.interval"):
+        validate(cfg, m.where)
+
+
+def test_unknown_mode():
+    m = ConfigManager()
+    cfg = m.parse_args(["--training.mode=fast"])
+    with pytest.raises(ConfigError, match="training.mode"):
+        validate(cfg, m.where)
+
+
+def test_world_size_mismatch():
+    m = ConfigManager()
+    cfg = m.parse_args(["--placement.trainer_shard_degree=2", "--placement.trainer_replicate_degree=2"])
+    with pytest.raises(ConfigError, match="does not match the world size"):
+        validate_world(cfg, 3, m.where)
+    assert validate_world(cfg, 4, m.where).num_trainer_ranks == 4
+
+
+def test_prompts_divisible_by_world():
+    m = ConfigManager()
+    cfg = m.parse_args(["--training.prompts_per_step=3"])
+    with pytest.raises(ConfigError, match="training.prompts_per_step"):
+        validate_world(cfg, 2, m.where)
+
+
+def test_help_lists_field_docs(capsys):
+    with pytest.raises(SystemExit):
+        ConfigManager().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--training.clip_eps" in out and "PPO clip range" in out
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "train_configs", "*.toml"))))
+def test_every_shipped_config_parses_and_validates(path):
+    m = ConfigManager()
+    cfg = m.parse_args(["--config", path])
+    validate(cfg, m.where)

@@ -1,0 +1,30 @@
+import pytest
+
+from reflow.distributed.placement import build_placement
+
+
+def test_colocated():
+    p = build_placement(2, 1, -1, 0)
+    assert p.colocated and p.trainer_ranks == [0, 1] and p.rollout_ranks == [0, 1]
+    assert p.shard_degree == 2
+
+
+def test_hsdp_with_rollout_ranks():
+    p = build_placement(7, 2, -1, 3)
+    assert (p.replicate_degree, p.shard_degree) == (2, 2)
+    assert p.trainer_ranks == [0, 1, 2, 3] and p.rollout_ranks == [4, 5, 6]
+    assert p.is_trainer(3) and not p.is_rollout(3) and p.is_rollout(4)
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        ((4, 1, 3, 0), "does not match the world size"),
+        ((4, 3, -1, 0), "not divisible"),
+        ((4, 1, -1, 4), "num_rollout_ranks"),
+        ((4, 0, -1, 0), "trainer_replicate_degree"),
+    ],
+)
+def test_errors(args, key):
+    with pytest.raises(ValueError, match=key):
+        build_placement(*args)
