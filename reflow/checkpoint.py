@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from reflow.config.job_config import JobConfig
@@ -46,24 +47,41 @@ class CheckpointManager:
         dcp.save(state, checkpoint_id=path, process_group=self.group)
         return path
 
+    def _choose_step(self) -> int:
+        """Rank 0 decides which step to load (-1: none) and tells every rank, so all load the same one."""
+        choice = [-1]
+        if dist.get_rank() == 0:
+            steps = self.available_steps()
+            if self.load_step >= 0:
+                if self.load_step not in steps:
+                    choice = [-2]
+                else:
+                    choice = [self.load_step]
+            elif steps:
+                choice = [steps[-1]]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] == -2:
+            raise ValueError(
+                f"checkpoint.load_step = {self.load_step}: no complete checkpoint at {self._path(self.load_step)} "
+                f"(available: {self.available_steps()})"
+            )
+        return choice[0]
+
     def maybe_load(self, trainer) -> dict | None:
-        """Load the requested (or latest) checkpoint into ``trainer``; returns its extra state, or None."""
+        """Load the requested (or latest) checkpoint into ``trainer`` (None on ranks that do not train).
+
+        Every rank calls; every rank gets the checkpoint's extra state (step, policy version, prompts drawn)."""
         if not self.enabled:
             return None
-        steps = self.available_steps()
-        if self.load_step >= 0:
-            if self.load_step not in steps:
-                raise ValueError(
-                    f"checkpoint.load_step = {self.load_step}: no complete checkpoint at {self._path(self.load_step)} "
-                    f"(available: {steps})"
-                )
-            step = self.load_step
-        elif steps:
-            step = steps[-1]
-        else:
+        step = self._choose_step()
+        if step < 0:
             return None
-        trainer.init_optimizer_state()
-        state = {"trainer": trainer.state_dict(), "extra": {"step": 0, "policy_version": 0}}
-        dcp.load(state, checkpoint_id=self._path(step), process_group=self.group)
-        trainer.load_state_dict(state["trainer"])
-        return state["extra"]
+        extra = [None]
+        if trainer is not None:
+            trainer.init_optimizer_state()
+            state = {"trainer": trainer.state_dict(), "extra": {"step": 0, "policy_version": 0, "prompts_drawn": 0}}
+            dcp.load(state, checkpoint_id=self._path(step), process_group=self.group)
+            trainer.load_state_dict(state["trainer"])
+            extra = [state["extra"]]
+        dist.broadcast_object_list(extra, src=0)  # rank 0 is always a trainer rank
+        return extra[0]

@@ -74,6 +74,23 @@ def _planned_world_size(cfg: JobConfig) -> int:
     return p.trainer_replicate_degree + p.num_rollout_ranks
 
 
+def pin_local_gpu() -> None:
+    """Give each torchrun rank exactly its own GPU before anything touches CUDA.
+
+    vLLM's in-process executor places its engine on the current process's first visible device, whatever
+    torch.cuda.set_device said; with one visible device per rank the trainer and the engine agree."""
+    local = os.environ.get("LOCAL_RANK")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if local is None or os.environ.get("REFLOW_KEEP_VISIBLE_DEVICES") == "1":
+        return
+    if visible:
+        devices = [d for d in visible.split(",") if d.strip()]
+        if len(devices) > 1:
+            os.environ["CUDA_VISIBLE_DEVICES"] = devices[int(local) % len(devices)]
+    elif os.path.exists("/dev/nvidia0"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = local
+
+
 def build_components(cfg: JobConfig, manager: ConfigManager):
     import torch
 
@@ -157,10 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         validate(cfg, manager.where)
         if manager.dry_run:
             return dry_run(cfg, manager)
+        # the placement against torchrun's world size, before any rank builds anything
+        placement = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), manager.where)
+        validate_recipe(cfg, load_recipe(cfg.model.recipe), placement, manager.where)
     except (ConfigError, ValueError) as e:
         print(f"reflow: config error: {e}", file=sys.stderr)
         return 2
 
+    pin_local_gpu()
     import torch.distributed as dist
 
     from reflow.modes import MODES

@@ -27,7 +27,8 @@ def test_sync_mode_trains_checkpoints_resumes_and_exports(tmp_path):
         "--checkpoint.enable=true", "--checkpoint.interval=2",
         "--metrics.eval_interval=2", "--metrics.eval_num_prompts=8",
     ]
-    run_torchrun(2, common + ["--training.steps=2"])
+    # the first run also exercises the frozen reference policy (KL penalty)
+    run_torchrun(2, common + ["--training.steps=2", "--training.kl_coef=0.05"])
     rows = _rows(dump)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -37,6 +38,8 @@ def test_sync_mode_trains_checkpoints_resumes_and_exports(tmp_path):
         # on-policy: vLLM sampled with exactly the trainer's weights
         assert r["behavior_logprob_gap_max"] < 1e-3
     assert [r["policy_version"] for r in rows] == [1, 2]
+    assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
+    assert rows[1]["kl_ref"] > 0.0
     assert "eval_reward" in rows[1]
     assert os.path.exists(os.path.join(dump, "checkpoint", "step-2", ".metadata"))
     assert glob.glob(os.path.join(dump, "tb", "events.out.tfevents*"))

@@ -48,6 +48,15 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def read_toml(path: str) -> dict[str, Any]:
+    """Parse a TOML file; a syntax error names the file."""
+    with open(path, "rb") as f:
+        try:
+            return _toml.load(f)
+        except _toml.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
 def _field_type(section_cls: type, name: str) -> Any:
     hints = typing.get_type_hints(section_cls)
     return hints[name]
@@ -109,11 +118,7 @@ class ConfigManager:
     def load_toml(self, path: str) -> None:
         if not os.path.isfile(path):
             raise ConfigError(f"config file not found: {path}")
-        with open(path, "rb") as f:
-            try:
-                data = _toml.load(f)
-            except _toml.TOMLDecodeError as e:
-                raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        data = read_toml(path)
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")

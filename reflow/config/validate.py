@@ -48,8 +48,16 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         fail("rollout.tensor_parallel_degree", "> 1 is not supported in this build (one engine per rank)")
     if t.mode == "sync" and cfg.weight_sync.interval != 1:
         fail("weight_sync.interval", f"must be 1 in 'sync' mode (on-policy), got {cfg.weight_sync.interval}")
-    if t.mode == "sync" and t.group_size * t.prompts_per_step < 1:
-        fail("training.prompts_per_step", "gives an empty batch")
+    if t.group_size < 2:
+        fail("training.group_size", f"must be >= 2: GRPO advantages compare samples of one prompt, got {t.group_size}")
+    if r.top_p < 1 and t.is_truncation > 0:
+        fail(
+            "rollout.top_p",
+            f"= {r.top_p} renormalizes vLLM's sampling distribution, which biases the importance weights; "
+            "use 1.0 or set training.is_truncation = 0",
+        )
+    if cfg.checkpoint.load_step >= 0 and not cfg.checkpoint.enable:
+        fail("checkpoint.load_step", f"= {cfg.checkpoint.load_step} needs checkpoint.enable = true")
     if cfg.model.attention not in ("sdpa", "flex"):
         fail("model.attention", f"must be 'sdpa' or 'flex', got {cfg.model.attention!r}")
 
@@ -66,6 +74,11 @@ def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default")
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.training.mode == "sync" and not placement.colocated:
+        raise ConfigError(
+            f"{where('placement.num_rollout_ranks')}: 'placement.num_rollout_ranks' must be 0 in 'sync' mode "
+            f"(colocated: every rank trains and generates), got {placement.num_rollout_ranks}"
+        )
     if cfg.training.mode == "sync" and cfg.training.prompts_per_step % world_size:
         raise ConfigError(
             f"{where('training.prompts_per_step')}: 'training.prompts_per_step' = {cfg.training.prompts_per_step} "
@@ -86,6 +99,21 @@ def validate_recipe(cfg: JobConfig, recipe, placement, where=lambda key: "defaul
         warnings.append(
             f"recipe {recipe.name} recommends placement.trainer_shard_degree = {par.trainer_shard_degree}; "
             f"this run uses {placement.shard_degree}"
+        )
+    if cfg.rollout.max_model_len > recipe.vllm.max_model_len:
+        warnings.append(
+            f"rollout.max_model_len = {cfg.rollout.max_model_len} is above recipe {recipe.name}'s recommended "
+            f"{recipe.vllm.max_model_len}"
+        )
+    if cfg.rollout.max_num_seqs > recipe.vllm.max_num_seqs:
+        warnings.append(
+            f"rollout.max_num_seqs = {cfg.rollout.max_num_seqs} is above recipe {recipe.name}'s recommended "
+            f"{recipe.vllm.max_num_seqs}"
+        )
+    if recipe.device == "cuda" and cfg.rollout.gpu_memory_utilization > recipe.vllm.gpu_memory_utilization:
+        warnings.append(
+            f"rollout.gpu_memory_utilization = {cfg.rollout.gpu_memory_utilization} is above recipe "
+            f"{recipe.name}'s recommended {recipe.vllm.gpu_memory_utilization} (the trainer shares the GPU)"
         )
     if cfg.rollout.max_model_len > recipe.architecture.max_seq_len:
         raise ConfigError(

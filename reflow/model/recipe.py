@@ -13,10 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-try:
-    import tomllib as _toml
-except ModuleNotFoundError:  # pragma: no cover
-    import tomli as _toml
+from reflow.config.manager import read_toml
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS_DIR = os.path.join(REPO_ROOT, "models")
@@ -106,11 +103,7 @@ def load_recipe(name_or_path: str) -> Recipe:
     if not os.path.isfile(path):
         known = sorted(f[:-5] for f in os.listdir(MODELS_DIR) if f.endswith(".toml")) if os.path.isdir(MODELS_DIR) else []
         raise ValueError(f"model.recipe: no recipe file {path} (known recipes: {', '.join(known)})")
-    with open(path, "rb") as f:
-        try:
-            data = _toml.load(f)
-        except _toml.TOMLDecodeError as e:
-            raise ValueError(f"{path}: invalid TOML: {e}") from None
+    data = read_toml(path)
     unknown = sorted(set(data) - {"recipe", "architecture", "parallelism", "vllm"})
     if unknown:
         raise ValueError(f"{path}: unknown section(s): {', '.join(unknown)}")

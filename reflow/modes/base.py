@@ -76,9 +76,11 @@ class ModeBase:
 
     # ---- data ---------------------------------------------------------------
 
-    def next_prompts(self, n: int) -> list[Problem]:
+    def next_prompts(self, n: int) -> list[tuple[int, Problem]]:
+        """The next n prompts of the run's stream, each with its draw index (unique across the run)."""
+        out = [(self._drawn + i, next(self._stream)) for i in range(n)]
         self._drawn += n
-        return [next(self._stream) for _ in range(n)]
+        return out
 
     def _skip_prompts(self, n: int) -> None:
         for _ in range(n):
@@ -91,9 +93,8 @@ class ModeBase:
         raise NotImplementedError(f"mode {self.name} must implement train_one_step")
 
     def resume(self) -> None:
+        """Load the checkpoint on trainer ranks; every rank learns the step and joins the weight sync."""
         c = self.c
-        if c.trainer is None:
-            return
         extra = c.checkpoints.maybe_load(c.trainer)
         if extra is None:
             return
@@ -119,7 +120,7 @@ class ModeBase:
             if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
                 c.logger.log(self.step, row)
             last = self.step == cfg.training.steps
-            if c.checkpoints.should_save(self.step, last):
+            if c.checkpoints.should_save(self.step, last) and c.trainer is not None:
                 extra = {"step": self.step, "policy_version": self.version, "prompts_drawn": self._drawn}
                 path = c.checkpoints.save(self.step, c.trainer, extra)
                 c.logger.info(f"checkpoint saved: {path}")
@@ -139,7 +140,7 @@ class ModeBase:
         """Global (all-rank) metrics of one step."""
         c = self.c
         comp_tokens = sum(len(s.output_ids) for s in samples)
-        trainer_tokens = int((batch.tokens != c.tokenizer.pad_id).sum().item()) if batch.size else 0
+        trainer_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in samples)
         rewards = [s.reward for s in samples]
         vec = torch.tensor(
             [
@@ -193,7 +194,9 @@ class ModeBase:
         problems = c.eval_problems[:num_prompts][c.rank :: c.world_size] if c.placement.is_rollout(c.rank) else []
         reqs = []
         for p in problems:
-            reqs.extend(make_group_requests(p, c.task, c.tokenizer, 1, c.cfg.rollout.max_new_tokens, c.cfg.job.seed, -1))
+            reqs.extend(
+                make_group_requests(p, -1, c.task, c.tokenizer, 1, c.cfg.rollout.max_new_tokens, c.cfg.job.seed, -1)
+            )
         done = c.engine.generate(reqs) if reqs else []
         samples = score(done, c.task, c.tokenizer)
         vec = torch.tensor([sum(s.reward for s in samples), len(samples)], dtype=torch.float64)

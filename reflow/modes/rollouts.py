@@ -55,17 +55,20 @@ class Sample:
 
 
 def make_group_requests(
-    problem: Problem, task: Task, tok: PromptTokenizer, group_size: int, max_tokens: int, job_seed: int, version: int
+    problem: Problem, draw: int, task: Task, tok: PromptTokenizer, group_size: int, max_tokens: int, job_seed: int, version: int
 ) -> list[Request]:
-    """G sample-level requests for one prompt; they travel (and are scored) together."""
+    """G sample-level requests for one prompt; they travel (and are scored) together.
+
+    ``draw`` is the prompt's position in the run's prompt stream: unique even when a problem is drawn twice."""
     ids = tok.encode(task.format_prompt(problem))
+    group = f"{problem.uid}#{draw}"
     return [
         Request(
-            request_id=f"{problem.uid}/v{version}/{k}",
+            request_id=f"{group}/{k}",
             prompt_ids=ids,
             max_tokens=max_tokens,
-            seed=request_seed(job_seed, problem.uid, k, version),
-            meta={"problem": problem, "group": f"{problem.uid}/v{version}"},
+            seed=request_seed(job_seed, group, k, version),
+            meta={"problem": problem, "group": group},
         )
         for k in range(group_size)
     ]

@@ -40,18 +40,16 @@ class SyncMode(ModeBase):
         t = c.cfg.training
         timer = StepTimer()
         # 1. dispatch: the same global prompt list on every rank, a shard each
-        problems = self.next_prompts(t.prompts_per_step)
-        mine = problems[c.rank :: c.world_size]
+        drawn = self.next_prompts(t.prompts_per_step)
         requests = [
             r
-            for p in mine
+            for draw, p in drawn[c.rank :: c.world_size]
             for r in make_group_requests(
-                p, c.task, c.tokenizer, t.group_size, c.cfg.rollout.max_new_tokens, c.cfg.job.seed, self.version
+                p, draw, c.task, c.tokenizer, t.group_size, c.cfg.rollout.max_new_tokens, c.cfg.job.seed, self.version
             )
         ]
-        # 2. rollout with the current weights
+        # 2. rollout with the current weights; the engine then frees its memory for training (GPU)
         with timer("gen"):
-            c.engine.wake_up()
             finished = c.engine.generate(requests)
             c.engine.sleep()
         # 3. score
@@ -62,7 +60,7 @@ class SyncMode(ModeBase):
         with timer("train"):
             stats = c.trainer.train_step(batch)
         self.version += 1
-        # 5. sync the new weights into every engine
+        # 5. sync the new weights into every engine (load_weights wakes it first)
         with timer("sync"):
             if self.version % c.cfg.weight_sync.interval == 0:
                 c.weight_sync.sync(c.trainer, c.engine, self.version)

@@ -29,10 +29,19 @@ logger = logging.getLogger("reflow")
 
 def set_vllm_env(cfg: JobConfig) -> None:
     """vLLM reads these at import/engine build time."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # the engine core must run in this process: the step API and the lazy weight iterator depend on it
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.rollout.kv_cache_gib)))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _RopeReloadFilter(logging.Filter):
+    """vLLM warns on every in-place reload that RotaryEmbedding loaded no weights: its cos/sin cache is
+    derived, not a checkpoint tensor, and vLLM keeps it as is. Drop that one message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage())
 
 
 @dataclass
@@ -71,12 +80,14 @@ class RolloutEngine:
         if on_gpu:
             kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RopeReloadFilter())
         t0 = time.time()
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.build_time_s = time.time() - t0
         self.cfg = cfg
         self.version = 0
+        self.sleeping = False
         self.active: dict[str, Request] = {}
 
     # ---- request/step API -------------------------------------------------
@@ -100,6 +111,9 @@ class RolloutEngine:
         """Queue a request. A request with output already (a held partial rollout) resumes from its prefix."""
         from vllm.inputs import TokensPrompt
 
+        if req.request_id in self.active:
+            raise ValueError(f"request id {req.request_id} is already generating on this engine")
+        self.wake_up()
         if req.max_tokens - len(req.output_ids) <= 0:
             raise ValueError(f"request {req.request_id} has no tokens left to generate")
         prompt = TokensPrompt(prompt_token_ids=req.prompt_ids + req.output_ids)
@@ -143,15 +157,19 @@ class RolloutEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Replace the engine's weights in place (HF names); returns seconds taken."""
         t0 = time.time()
+        self.wake_up()  # a sleeping engine's weights are not mapped: never load into it
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self.version = version
         return time.time() - t0
 
     def sleep(self) -> None:
         """Free accelerator memory while this rank trains (a no-op on CPU)."""
-        if torch.cuda.is_available():
+        assert not self.active, "cannot sleep with requests in flight"
+        if torch.cuda.is_available() and not self.sleeping:
             self.llm.sleep(level=1)
+        self.sleeping = True
 
     def wake_up(self) -> None:
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and self.sleeping:
             self.llm.wake_up()
+        self.sleeping = False

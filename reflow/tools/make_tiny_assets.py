@@ -12,8 +12,12 @@ Deterministic for a given seed (single-threaded CPU math). Steps:
    ``digit-noise`` share of probability on wrong digits, so its sampled
    (temperature 1) reward starts well above 0 and well below the ceiling:
    the situation RL post-training meets in practice (pass@k >> pass@1).
-   Training stops once greedy reward reaches ``--target-greedy``;
-4. everything saved in Hugging Face format (safetensors), which both the
+   Training runs ``--sft-steps`` steps with a cosine learning-rate decay;
+4. the model is then made deliberately under-confident: the output head is
+   scaled down (the same as sampling the SFT model at a higher temperature)
+   until its sampled reward falls to ``--target-reward``. The greedy answers
+   do not change, so RL has a known headroom to recover;
+5. everything saved in Hugging Face format (safetensors), which both the
    trainer (through torchtitan's Qwen3 state-dict adapter) and vLLM load.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import time
@@ -132,9 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-eval", type=int, default=512)
     ap.add_argument("--num-sft", type=int, default=8192)
     ap.add_argument("--digit-noise", type=float, default=0.1)
-    ap.add_argument("--target-greedy", type=float, default=0.85)
-    ap.add_argument("--max-sft-steps", type=int, default=4000)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--sft-steps", type=int, default=2000)
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--target-reward", type=float, default=0.2)
     ap.add_argument("--lr", type=float, default=2e-3)
     args = ap.parse_args(argv)
 
@@ -170,7 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     history = []
     t0 = time.time()
     greedy = sampled = 0.0
-    for step in range(1, args.max_sft_steps + 1):
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.sft_steps) / args.sft_steps)) * 0.95 + 0.05
+    )
+    for step in range(1, args.sft_steps + 1):
         ids, loss_mask = sft_batch(tok, sft_set, rng, 64, args.digit_noise)
         logits = model(input_ids=ids).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(
@@ -181,13 +189,25 @@ def main(argv: list[str] | None = None) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-        if step % args.eval_every == 0 or step == args.max_sft_steps:
+        sched.step()
+        if step % args.eval_every == 0 or step == args.sft_steps:
             greedy = sampled_reward(model, tok, probe, 48, gen, greedy=True)
             sampled = sampled_reward(model, tok, probe, 48, gen)
             history.append({"step": step, "loss": round(loss.item(), 4), "greedy_reward": greedy, "sampled_reward": sampled})
             print(f"sft step {step} loss {loss.item():.4f} greedy {greedy:.3f} sampled {sampled:.3f} ({time.time() - t0:.0f}s)", flush=True)
-            if greedy >= args.target_greedy:
-                break
+    # 4. under-confident warm start: scale the output head down until the sampled reward is at the target
+    head = model.lm_head.weight
+    original = head.detach().clone()
+    scale = 1.0
+    for candidate in [1.0 - 0.05 * k for k in range(0, 15)]:
+        with torch.no_grad():
+            head.copy_(original * candidate)
+        sampled = sampled_reward(model, tok, probe, 48, torch.Generator().manual_seed(args.seed))
+        history.append({"head_scale": round(candidate, 2), "sampled_reward": sampled})
+        print(f"head scale {candidate:.2f}: sampled reward {sampled:.3f}", flush=True)
+        scale = candidate
+        if sampled <= args.target_reward:
+            break
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.bos_token_id = BOS_ID
     model.generation_config.pad_token_id = PAD_ID

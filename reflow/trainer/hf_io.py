@@ -65,8 +65,12 @@ def export_hf(model: torch.nn.Module, adapter, out_dir: str, source_dir: str, wr
     """Write the policy as a HF folder. Every trainer rank calls (gathers); only ``write`` ranks write."""
     from safetensors.torch import save_file
 
-    full = {k: full_tensor(v).detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
-    hf = adapter.to_hf(full)
+    hf = {}
+    for k, v in model.state_dict().items():
+        full = full_tensor(v)  # collective: every trainer rank gathers, one tensor at a time
+        if write:
+            hf.update(adapter.to_hf({k: full.detach().to("cpu", torch.float32).contiguous()}))
+        del full
     if not write:
         return
     os.makedirs(out_dir, exist_ok=True)

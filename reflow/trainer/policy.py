@@ -38,9 +38,14 @@ from reflow.trainer.parallelize import apply_fsdp
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(target) under softmax(logits / T). logits (B, T, V), targets (B, T) -> (B, T)"""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    """log p(target) under softmax(logits / T). logits (B, T, V), targets (B, T) -> (B, T)
+
+    Computed as logit[target] - logsumexp(logits): one full-vocabulary fp32 copy, not three."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
 
 
 @dataclass
@@ -101,7 +106,13 @@ class PolicyTrainer:
     # ---- forward helpers -------------------------------------------------
 
     def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        logits = model(tokens[:, :-1])  # (B, T-1, V); positions default to 0..T-2, attention causal
+        inputs = tokens[:, :-1]  # (B, T-1); one right-padded sequence per row
+        masks = None
+        if self.cfg.model.attention == "flex":
+            # one document per row: the block-causal mask is plain causal
+            positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+            masks = model.get_attention_masks(positions)
+        logits = model(inputs, attention_masks=masks)  # (B, T-1, V); SDPA is causal without masks
         return token_logprobs(logits, tokens[:, 1:], self.temperature)
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[int, TrainBatch]]:
@@ -144,9 +155,9 @@ class PolicyTrainer:
                 stats = self._update(
                     index(batch, chunk), old_lp[chunk], ref_lp[chunk] if ref_lp is not None else None
                 )
-                grad_norms.append(stats.pop("grad_norm"))
                 if epoch == t.ppo_epochs - 1:  # report the last pass
-                    max_diff[0] = max(max_diff[0].item(), stats["max_diff"])
+                    grad_norms.append(stats.pop("grad_norm"))
+                    max_diff[0] = max(max_diff[0].item(), stats.pop("max_diff"))
                     totals += torch.tensor([stats[k] for k in _STAT_KEYS], dtype=torch.float64)
         totals_t = totals
         dist.all_reduce(totals_t, group=self.group)
@@ -155,7 +166,7 @@ class PolicyTrainer:
         return StepStats(
             loss=totals_t[0].item() / t.num_minibatches,
             num_tokens=int(totals_t[1].item()),
-            num_samples=int(totals_t[7].item()),
+            num_samples=int(totals_t[6].item()),
             grad_norm=float(sum(grad_norms) / max(len(grad_norms), 1)),
             clip_fraction=totals_t[2].item() / tokens,
             is_weight_mean=totals_t[3].item() / tokens,
@@ -170,14 +181,18 @@ class PolicyTrainer:
         dist.all_reduce(den, group=self.group)
         den_v = max(den.item(), 1e-8)
         stats = dict.fromkeys(_STAT_KEYS, 0.0)
+        stats["max_diff"] = 0.0
         for offset, mb in self._micro_batches(batch):
-            rows = slice(offset, offset + mb.size)
-            mb_old = old_lp[rows] if offset >= 0 else torch.zeros_like(mb.loss_mask)
-            mb_ref = None
-            if ref_lp is not None:
-                mb_ref = (ref_lp[rows] if offset >= 0 else torch.zeros_like(mb.loss_mask)).to(self.device)
-            mb, mb_old = mb.to(self.device), mb_old.to(self.device)
+            mb = mb.to(self.device)
             new_lp = self._logprobs(self.model, mb.tokens)
+            rows = slice(offset, offset + mb.size)
+            if offset >= 0:
+                mb_old = old_lp[rows].to(self.device)
+                mb_ref = ref_lp[rows].to(self.device) if ref_lp is not None else None
+            else:
+                # padding rows: any finite values do, their weight and mask are zero
+                mb_old = new_lp.detach()
+                mb_ref = new_lp.detach() if ref_lp is not None else None
             terms = token_loss_terms(new_lp, mb_old, mb.behavior_logprobs, mb.advantages, self.loss_cfg, mb_ref)
             loss_sum = weighted_token_sum(terms["loss"], mb.loss_mask, mb.weights)
             # FSDP averages gradients over the dp ranks; scale so the result is the global weighted token mean
@@ -207,21 +222,6 @@ class PolicyTrainer:
         return stats
 
     # ---- weights out ---------------------------------------------------------
-
-    @torch.no_grad()
-    def iter_hf_tensors(self, bucket_numel: int):
-        """Yield lists of (hf_name, full tensor) of at most ~bucket_numel elements (a collective per tensor)."""
-        bucket, size = [], 0
-        for name, value in self.model.state_dict().items():
-            full = full_tensor(value).detach()
-            for hf_name, hf_value in self.adapter.to_hf({name: full}).items():
-                bucket.append((hf_name, hf_value))
-                size += hf_value.numel()
-            if size >= bucket_numel:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
 
     def export_hf(self, out_dir: str, write: bool) -> None:
         export_hf(self.model, self.adapter, out_dir, self.hf_dir, write)
@@ -254,4 +254,4 @@ class PolicyTrainer:
         self.num_updates = int(state["num_updates"])
 
 
-_STAT_KEYS = ("loss", "tokens", "clipped", "is_weight", "kl", "behavior_kl", "max_diff", "samples")
+_STAT_KEYS = ("loss", "tokens", "clipped", "is_weight", "kl", "behavior_kl", "samples")

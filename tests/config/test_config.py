@@ -117,3 +117,26 @@ def test_every_shipped_config_parses_and_validates(path):
     m = ConfigManager()
     cfg = m.parse_args(["--config", path])
     validate(cfg, m.where)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("--training.group_size=1", "training.group_size"),
+        ("--rollout.top_p=0.9", "rollout.top_p"),
+        ("--checkpoint.load_step=5", "checkpoint.load_step"),
+        ("--rollout.temperature=0", "rollout.temperature"),
+    ],
+)
+def test_combinations_rejected(override, key):
+    m = ConfigManager()
+    cfg = m.parse_args([override])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg, m.where)
+
+
+def test_sync_mode_rejects_rollout_only_ranks():
+    m = ConfigManager()
+    cfg = m.parse_args(["--placement.num_rollout_ranks=1"])
+    with pytest.raises(ConfigError, match="num_rollout_ranks"):
+        validate_world(cfg, 3, m.where)
