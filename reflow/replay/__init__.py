@@ -1,0 +1,33 @@
+"""The replay buffer: one shard per trainer rank, a sampler and a replay filter (typed extension points)."""
+
+from reflow.replay.buffer import BatchPlan, BufferedSample, ReplayBuffer
+from reflow.replay.policies import (
+    FILTERS,
+    SAMPLERS,
+    AcceptAll,
+    MediumRewardSampler,
+    NonzeroAdvantage,
+    RandomSampler,
+    ReplayFilter,
+    RewardBand,
+    Sampler,
+    build_filter,
+    build_sampler,
+)
+
+__all__ = [
+    "AcceptAll",
+    "BatchPlan",
+    "BufferedSample",
+    "FILTERS",
+    "MediumRewardSampler",
+    "NonzeroAdvantage",
+    "RandomSampler",
+    "ReplayBuffer",
+    "ReplayFilter",
+    "RewardBand",
+    "SAMPLERS",
+    "Sampler",
+    "build_filter",
+    "build_sampler",
+]
