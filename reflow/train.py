@@ -119,15 +119,25 @@ def build_components(cfg: JobConfig, manager: ConfigManager):
         if rank == 0:
             logger.warning(w)
     torch.manual_seed(cfg.job.seed)
+    pinned = None
     if device.type == "cpu":
-        # one compute thread per rank: ranks share the machine's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        if cfg.job.cpu_affinity:
+            # each rank on its own core with one compute thread: a waiting rank is really idle, as on a GPU
+            cores = sorted(os.sched_getaffinity(0))
+            pinned = cores[int(os.environ.get("LOCAL_RANK", rank)) % len(cores)]
+            os.sched_setaffinity(0, {pinned})
+            torch.set_num_threads(1)
+        else:
+            # ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     mesh = build_trainer_mesh(placement)
     trainer_group = build_trainer_group(placement)
     log = MetricsLogger(
         cfg.job.dump_folder, rank == 0, cfg.training.steps, cfg.metrics.enable_tensorboard, cfg.metrics.enable_progress_bar
     )
     log.info(f"{placement.describe()}; mode {cfg.training.mode}; model {recipe.name} from {hf_dir}")
+    if pinned is not None:
+        log.info(f"CPU affinity: rank {rank} pinned to core {pinned}, 1 compute thread")
     # 3. the embedded vLLM engine (every rank, same point)
     t0 = time.time()
     engine = RolloutEngine(cfg, recipe, hf_dir, seed=cfg.job.seed + rank)

@@ -21,6 +21,8 @@ class Job:
     """Where metrics.jsonl, TensorBoard events (tb/), checkpoints and exports go."""
     seed: int = 0
     """Seed for prompt order, vLLM sampling and parameter init."""
+    cpu_affinity: bool = False
+    """CPU runs: pin each rank to its own core with one compute thread, so a waiting rank is really idle."""
 
 
 @dataclass
@@ -36,7 +38,8 @@ class Model:
 @dataclass
 class Training:
     mode: str = "sync"
-    """Training mode: 'sync' (on-policy, colocated), 'one_step_off', 'async' or 'reflow'."""
+    """Training mode: 'sync' (on-policy, colocated), 'one_step_off', 'async' (staleness replay.delta,
+    no replay) or 'reflow' (bounded replay). The last three decouple trainer and rollout ranks."""
     steps: int = 60
     """Number of trainer steps (optimizer updates on a fresh batch)."""
     prompts_per_step: int = 16
@@ -91,6 +94,9 @@ class Rollout:
     """vLLM: skip CUDA graphs / compilation (always True on CPU)."""
     tensor_parallel_degree: int = 1
     """vLLM tensor parallel degree per engine (s_R). Only 1 is supported in this build."""
+    b_max: int = 0
+    """B_max: most samples dispatched per policy version, over all rollout ranks (decoupled modes).
+    0 = what the trainer consumes between two syncs: prompts_per_step * group_size * weight_sync.interval."""
 
 
 @dataclass
@@ -109,6 +115,25 @@ class WeightSync:
     """Trainer steps between weight syncs to the rollout engines (k)."""
     bucket_size_mb: float = 64.0
     """Flat broadcast bucket size in MiB."""
+
+
+@dataclass
+class Replay:
+    sigma: float = 0.25
+    """Max replayed share of a batch: a batch of b holds >= b(1-sigma) unused samples ('reflow' mode)."""
+    tau: float = 0.5
+    """Loss weight of a replayed sample relative to a fresh one (w = tau * omega)."""
+    delta: int = 2
+    """Staleness bound: only samples generated within the last delta policy versions are kept.
+    In 'async' mode this is the staleness k; 'one_step_off' uses 1."""
+    sampler: str = "random"
+    """Which replayed samples fill a batch: 'random' or 'medium_reward'."""
+    filter: str = "accept_all"
+    """Which consumed samples may be replayed: 'accept_all', 'reward_band' or 'nonzero_advantage'."""
+    filter_reward_low: float = 0.0
+    """reward_band filter: lowest reward kept."""
+    filter_reward_high: float = 1.0
+    """reward_band filter: highest reward kept."""
 
 
 @dataclass
@@ -157,6 +182,7 @@ class JobConfig:
     rollout: Rollout = field(default_factory=Rollout)
     placement: Placement = field(default_factory=Placement)
     weight_sync: WeightSync = field(default_factory=WeightSync)
+    replay: Replay = field(default_factory=Replay)
     task: Task = field(default_factory=Task)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -15,8 +15,23 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
     t, r = cfg.training, cfg.rollout
     if t.mode not in MODES:
         fail("training.mode", f"must be one of {', '.join(MODES)}, got {t.mode!r}")
-    if t.mode != "sync":
-        fail("training.mode", f"= {t.mode!r} is not available in this build yet (available: 'sync')")
+    rp = cfg.replay
+    if not 0 <= rp.sigma < 1:
+        fail("replay.sigma", f"must be in [0, 1), got {rp.sigma}")
+    if rp.tau < 0:
+        fail("replay.tau", f"must be >= 0, got {rp.tau}")
+    if rp.delta < 0:
+        fail("replay.delta", f"must be >= 0, got {rp.delta}")
+    if r.b_max < 0:
+        fail("rollout.b_max", f"must be >= 0, got {r.b_max}")
+    from reflow.replay.policies import FILTERS, SAMPLERS
+
+    if rp.sampler not in SAMPLERS:
+        fail("replay.sampler", f"must be one of {', '.join(SAMPLERS)}, got {rp.sampler!r}")
+    if rp.filter not in FILTERS:
+        fail("replay.filter", f"must be one of {', '.join(FILTERS)}, got {rp.filter!r}")
+    if rp.filter_reward_low > rp.filter_reward_high:
+        fail("replay.filter_reward_low", f"({rp.filter_reward_low}) must be <= replay.filter_reward_high ({rp.filter_reward_high})")
     for key, value, low in (
         ("training.steps", t.steps, 1),
         ("training.prompts_per_step", t.prompts_per_step, 1),
@@ -79,6 +94,34 @@ def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default")
             f"{where('placement.num_rollout_ranks')}: 'placement.num_rollout_ranks' must be 0 in 'sync' mode "
             f"(colocated: every rank trains and generates), got {placement.num_rollout_ranks}"
         )
+    if cfg.training.mode != "sync":
+        if placement.colocated:
+            raise ConfigError(
+                f"{where('placement.num_rollout_ranks')}: training.mode = {cfg.training.mode!r} decouples training "
+                "from generation: set placement.num_rollout_ranks >= 1"
+            )
+        from reflow.modes.decoupled import resolve_settings
+
+        s = resolve_settings(cfg)
+        G, R, A = cfg.training.group_size, placement.num_rollout_ranks, placement.num_trainer_ranks
+        batch = cfg.training.prompts_per_step * G
+        if s.b_max < batch * s.interval:
+            raise ConfigError(
+                f"{where('rollout.b_max')}: 'rollout.b_max' = {s.b_max} must be >= the fresh samples the trainer can "
+                f"consume between syncs ({batch} x {s.interval}), or the trainer would starve"
+            )
+        if s.b_max % (G * R * A):
+            raise ConfigError(
+                f"{where('rollout.b_max')}: B_max = {s.b_max} samples per version must split into whole groups of "
+                f"{G} over {R} rollout ranks and {A} trainer shards (a multiple of {G * R * A}); set rollout.b_max "
+                "or training.prompts_per_step accordingly"
+            )
+        if cfg.training.prompts_per_step * cfg.training.group_size % placement.num_trainer_ranks:
+            raise ConfigError(
+                f"{where('training.prompts_per_step')}: the batch (training.prompts_per_step x training.group_size = "
+                f"{cfg.training.prompts_per_step * cfg.training.group_size} samples) must split evenly over "
+                f"{placement.num_trainer_ranks} trainer ranks"
+            )
     if cfg.training.mode == "sync" and cfg.training.prompts_per_step % world_size:
         raise ConfigError(
             f"{where('training.prompts_per_step')}: 'training.prompts_per_step' = {cfg.training.prompts_per_step} "

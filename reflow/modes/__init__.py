@@ -1,9 +1,13 @@
 """Training modes. ``training.mode`` picks one from this explicit dict."""
 
+from reflow.modes.decoupled import DecoupledMode
 from reflow.modes.sync import SyncMode
 
 MODES = {
     "sync": SyncMode,
+    "one_step_off": DecoupledMode,
+    "async": DecoupledMode,
+    "reflow": DecoupledMode,
 }
 
-__all__ = ["MODES", "SyncMode"]
+__all__ = ["MODES", "DecoupledMode", "SyncMode"]

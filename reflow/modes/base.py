@@ -16,7 +16,6 @@ from reflow.metrics.logger import MetricsLogger
 from reflow.modes.rollouts import PromptTokenizer, Sample, make_group_requests, score
 from reflow.rollout.engine import RolloutEngine
 from reflow.tasks.base import Problem, Task, iterate_epochs
-from reflow.trainer.batch import TrainBatch
 from reflow.trainer.policy import PolicyTrainer, StepStats
 from reflow.weight_sync.broadcast import WeightSync
 
@@ -130,17 +129,21 @@ class ModeBase:
 
     def step_metrics(
         self,
-        samples: list[Sample],
-        batch: TrainBatch,
+        new_samples: list[Sample],
+        trained: list[Sample],
         stats: StepStats,
         timer: StepTimer,
         trainer_wait_s: float,
         rollout_wait_s: float,
     ) -> dict:
-        """Global (all-rank) metrics of one step."""
+        """Metrics of one step over the trainer ranks (all ranks in colocated modes).
+
+        Rewards and lengths describe ``new_samples`` (first use: what the current policy generates);
+        token throughput counts everything ``trained`` on (fresh and replayed)."""
         c = self.c
+        samples = new_samples
         comp_tokens = sum(len(s.output_ids) for s in samples)
-        trainer_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in samples)
+        trainer_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in trained)
         rewards = [s.reward for s in samples]
         vec = torch.tensor(
             [
@@ -154,9 +157,9 @@ class ModeBase:
             ],
             dtype=torch.float64,
         )
-        dist.all_reduce(vec)
+        dist.all_reduce(vec, group=c.trainer_group)
         maxlen = torch.tensor([max((len(s.output_ids) for s in samples), default=0)], dtype=torch.float64)
-        dist.all_reduce(maxlen, op=dist.ReduceOp.MAX)
+        dist.all_reduce(maxlen, op=dist.ReduceOp.MAX, group=c.trainer_group)
         n = max(vec[2].item(), 1.0)
         step_time = timer.elapsed()
         mean = vec[0].item() / n

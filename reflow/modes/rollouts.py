@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import torch
 
 from reflow.algorithms.grpo import group_advantages
+from reflow.replay.buffer import BufferedSample as Sample
 from reflow.rollout.engine import Request
 from reflow.tasks.base import Problem, Task
 from reflow.trainer.batch import TrainBatch, pack
@@ -39,21 +39,6 @@ def request_seed(job_seed: int, uid: str, sample: int, version: int) -> int:
     return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
-@dataclass
-class Sample:
-    """One finished trajectory with everything the trainer and the metrics need."""
-
-    uid: str
-    group_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    reward: float
-    finish_reason: str | None
-    advantage: float = 0.0
-
-
 def make_group_requests(
     problem: Problem, draw: int, task: Task, tok: PromptTokenizer, group_size: int, max_tokens: int, job_seed: int, version: int
 ) -> list[Request]:
@@ -68,7 +53,7 @@ def make_group_requests(
             prompt_ids=ids,
             max_tokens=max_tokens,
             seed=request_seed(job_seed, group, k, version),
-            meta={"problem": problem, "group": group},
+            meta={"problem": problem, "group": group, "draw": draw},
         )
         for k in range(group_size)
     ]
@@ -81,6 +66,7 @@ def score(requests: list[Request], task: Task, tok: PromptTokenizer) -> list[Sam
         out.append(
             Sample(
                 uid=r.request_id,
+                draw=r.meta["draw"],
                 group_id=r.meta["group"],
                 prompt_ids=r.prompt_ids,
                 output_ids=r.output_ids,
@@ -94,15 +80,17 @@ def score(requests: list[Request], task: Task, tok: PromptTokenizer) -> list[Sam
 
 
 def assign_advantages(samples: list[Sample], normalize_std: bool, eps: float) -> None:
-    """GRPO advantages within each group (a group's samples are all present)."""
+    """GRPO advantages within each group (a group's samples are all present); also each group's mean reward."""
     if not samples:
         return
     groups = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
     rewards = torch.tensor([s.reward for s in samples])
     gids = torch.tensor([groups[s.group_id] for s in samples])
     adv = group_advantages(rewards, gids, normalize_std, eps)
+    means = {g: rewards[gids == i].mean().item() for g, i in groups.items()}
     for s, a in zip(samples, adv.tolist()):
         s.advantage = a
+        s.group_reward_mean = means[s.group_id]
 
 
 def to_batch(samples: list[Sample], pad_id: int, weights: list[float] | None = None) -> TrainBatch:

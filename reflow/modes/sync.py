@@ -64,4 +64,6 @@ class SyncMode(ModeBase):
         with timer("sync"):
             if self.version % c.cfg.weight_sync.interval == 0:
                 c.weight_sync.sync(c.trainer, c.engine, self.version)
-        return self.step_metrics(samples, batch, stats, timer, trainer_wait_s=timer.get("gen"), rollout_wait_s=timer.get("train") + timer.get("sync"))
+        return self.step_metrics(
+            samples, samples, stats, timer, trainer_wait_s=timer.get("gen"), rollout_wait_s=timer.get("train") + timer.get("sync")
+        )

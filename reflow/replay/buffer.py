@@ -25,16 +25,20 @@ from reflow.replay.policies import ReplayFilter, Sampler
 
 @dataclass
 class BufferedSample:
+    """One finished trajectory: what the trainer needs, plus the replay bookkeeping."""
+
     uid: str
+    draw: int
+    """Position of its prompt in the run's prompt stream."""
     group_id: str
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
     reward: float
-    advantage: float
-    group_reward_mean: float = 0.0
     finish_reason: str | None = None
+    advantage: float = 0.0
+    group_reward_mean: float = 0.0
     use_count: int = 0
     inserted_at: float = field(default_factory=time.time)
 

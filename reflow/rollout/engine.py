@@ -88,7 +88,8 @@ class RolloutEngine:
         self.cfg = cfg
         self.version = 0
         self.sleeping = False
-        self.active: dict[str, Request] = {}
+        self.active: dict[str, Request] = {}  # vLLM request id -> request
+        self._submissions = 0
 
     # ---- request/step API -------------------------------------------------
 
@@ -111,14 +112,15 @@ class RolloutEngine:
         """Queue a request. A request with output already (a held partial rollout) resumes from its prefix."""
         from vllm.inputs import TokensPrompt
 
-        if req.request_id in self.active:
-            raise ValueError(f"request id {req.request_id} is already generating on this engine")
         self.wake_up()
         if req.max_tokens - len(req.output_ids) <= 0:
             raise ValueError(f"request {req.request_id} has no tokens left to generate")
+        # a fresh engine id per submission: a resumed request is a new vLLM request over prompt + prefix
+        self._submissions += 1
+        engine_id = f"{req.request_id}@{self._submissions}"
         prompt = TokensPrompt(prompt_token_ids=req.prompt_ids + req.output_ids)
-        self.engine.add_request(req.request_id, prompt, self._params(req))
-        self.active[req.request_id] = req
+        self.engine.add_request(engine_id, prompt, self._params(req))
+        self.active[engine_id] = req
 
     @property
     def num_active(self) -> int:
@@ -142,6 +144,17 @@ class RolloutEngine:
                 del self.active[out.request_id]
                 finished.append(req)
         return finished
+
+    def hold_all(self) -> list[Request]:
+        """Stop every in-flight request, keeping what it generated so far (tokens, log-probs, versions).
+
+        Used at a weight sync: ``add`` the returned requests afterwards and they continue from their
+        prefix under the new weights (partial rollout); each token keeps the version that produced it."""
+        held = list(self.active.values())
+        if self.active:
+            self.engine.abort_request(list(self.active))
+            self.active.clear()
+        return held
 
     def generate(self, requests: Iterable[Request]) -> list[Request]:
         """Run requests to completion (the synchronous path)."""

@@ -23,7 +23,7 @@ from reflow.replay.buffer import max_replay, min_fresh
 
 def sample(i, version=0, reward=0.5, adv=1.0, group_mean=0.5):
     return BufferedSample(
-        uid=f"s{i}", group_id=f"g{i // 4}", prompt_ids=[1], output_ids=[5, 2], logprobs=[-0.1, -0.2],
+        uid=f"s{i}", draw=i // 4, group_id=f"g{i // 4}", prompt_ids=[1], output_ids=[5, 2], logprobs=[-0.1, -0.2],
         versions=[version, version], reward=reward, advantage=adv, group_reward_mean=group_mean,
     )
 

@@ -53,7 +53,7 @@ def rollout_on_rank2(tag):
         done = engine.generate(reqs)
         payload = [[(r.prompt_ids, r.output_ids, r.logprobs, r.versions) for r in done]]
     dist.broadcast_object_list(payload, src=2)
-    return [Sample(f"s{i}", f"g{i % 4}", p, o, lp, v, 0.0, None) for i, (p, o, lp, v) in enumerate(payload[0])]
+    return [Sample(f"s{i}", i // 4, f"g{i % 4}", p, o, lp, v, reward=0.0) for i, (p, o, lp, v) in enumerate(payload[0])]
 
 
 before = rollout_on_rank2("a")
