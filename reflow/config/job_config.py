@@ -40,13 +40,13 @@ class Training:
     mode: str = "sync"
     """Training mode: 'sync' (on-policy, colocated), 'one_step_off', 'async' (staleness replay.delta,
     no replay) or 'reflow' (bounded replay). The last three decouple trainer and rollout ranks."""
-    steps: int = 60
+    steps: int = 100
     """Number of trainer steps (optimizer updates on a fresh batch)."""
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     """Prompts per trainer step, across all ranks (each yields a group of group_size samples)."""
     group_size: int = 8
     """GRPO group size G: completions sampled per prompt."""
-    lr: float = 1e-4
+    lr: float = 3e-4
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""

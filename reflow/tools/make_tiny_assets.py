@@ -38,6 +38,8 @@ SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 VOCAB_SIZE = 128
 
+LONG_TAIL = ChainSumSpec(min_terms=2, max_terms=48, tail_p=0.12)
+
 TINY_ARCH = dict(
     hidden_size=128,
     intermediate_size=384,
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     eval_set = generate(args.num_eval, args.seed + 2, spec, "eval")
     write_jsonl(eval_set, os.path.join(data_dir, "chain_sum_eval.jsonl"))
     sft_set = generate(args.num_sft, args.seed + 3, spec, "sft")
+    # the benchmark workload: same task, a much longer tail of chain lengths (rollout-bound, like reasoning RL)
+    write_jsonl(generate(args.num_train, args.seed + 4, LONG_TAIL, "long"), os.path.join(data_dir, "chain_sum_long_train.jsonl"))
 
     cfg = Qwen3Config(
         vocab_size=VOCAB_SIZE,

@@ -1,0 +1,170 @@
+"""Side-by-side benchmark of the four training modes on one workload, world size and seed.
+
+    python -m reflow.bench modes [--steps 40] [--world-size 2] [--out outputs/bench/modes.json] [-- --key=value ...]
+
+Each mode runs as its own ``torchrun`` job on the same config (``train_configs/bench_modes.toml``:
+a rollout-bound chain_sum workload whose answer lengths have a long tail), with every rank pinned to
+its own core and one compute thread (``job.cpu_affinity``), so a waiting rank is really idle, as a GPU
+would be. ``sync`` is colocated (every rank trains and generates); the decoupled modes split the world
+into trainer and rollout ranks. Reported per mode:
+
+  tokens_per_s          trainer tokens (fresh and replayed) / step time, over the steps after warm-up
+  fresh_samples_per_s   first-use samples trained on / step time (generation that reached the trainer)
+  trainer_idle_ratio    mean share of a step the trainer waited for data (after warm-up)
+  rollout_idle_ratio    mean share of time rollout ranks had nothing to generate (after warm-up)
+  reward_at_equal_time  mean reward of fresh samples in the last quarter of the shortest run's duration
+  time_to_target_s      first time the 5-step moving average of the reward reaches --target-reward
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+MODES = ("sync", "one_step_off", "async", "reflow")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mode(mode: str, args, overrides: list[str]) -> dict:
+    dump = os.path.join(args.work_dir, mode)
+    if os.path.exists(os.path.join(dump, "metrics.jsonl")):
+        os.remove(os.path.join(dump, "metrics.jsonl"))
+    rollout_ranks = 0 if mode == "sync" else args.rollout_ranks
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world_size),
+        "--master-port", str(_free_port()),
+        "-m", "reflow.train", "--config", args.config,
+        f"--training.mode={mode}", f"--training.steps={args.steps}", f"--job.dump_folder={dump}",
+        f"--placement.num_rollout_ranks={rollout_ranks}", "--job.cpu_affinity=true",
+        "--metrics.enable_progress_bar=false", "--checkpoint.enable=false", "--checkpoint.export_hf=false",
+        *overrides,
+    ]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {"rows": rows, "wall_s": wall, "command": " ".join(cmd), "placement": _placement_line(proc.stderr)}
+
+
+def _placement_line(stderr: str) -> str:
+    for line in stderr.splitlines():
+        if "trainer HSDP" in line:
+            return line.split("] ", 1)[-1].strip()
+    return ""
+
+
+def summarize(rows: list[dict], warmup: int, equal_time_s: float, target: float) -> dict:
+    post = rows[warmup:] or rows
+    tokens = sum(r["trainer_tokens"] for r in post)
+    time_s = sum(r["step_time_s"] for r in post)
+    t, elapsed, rewards, hit = 0.0, [], [], None
+    for i, r in enumerate(rows):
+        t += r["step_time_s"]
+        elapsed.append(t)
+        rewards.append(r["reward_mean"])
+        window = rewards[max(0, i - 4) : i + 1]
+        if hit is None and len(window) == 5 and sum(window) / 5 >= target:
+            hit = t
+    in_window = [r for r, e in zip(rewards, elapsed) if 0.75 * equal_time_s <= e <= equal_time_s] or rewards[-1:]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {
+        "steps": len(rows),
+        "tokens_per_s": tokens / time_s if time_s else 0.0,
+        # first-use samples only: replayed tokens count in tokens_per_s (training throughput), not here
+        "fresh_samples_per_s": sum(r["num_samples"] for r in post) / time_s if time_s else 0.0,
+        "trainer_idle_ratio": mean([r["trainer_idle_ratio"] for r in post]),
+        "rollout_idle_ratio": mean([r["rollout_idle_ratio"] for r in post]),
+        "replay_fraction": mean([r.get("replay_fraction", 0.0) for r in post]),
+        "reward_first5": mean(rewards[:5]),
+        "reward_last5": mean(rewards[-5:]),
+        "reward_at_equal_time": mean(in_window),
+        "train_time_s": elapsed[-1] if elapsed else 0.0,
+        "time_to_target_s": hit,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(prog="python -m reflow.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["modes"])
+    ap.add_argument("--config", default="train_configs/bench_modes.toml")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--rollout-ranks", type=int, default=1)
+    ap.add_argument("--target-reward", type=float, default=0.35)
+    ap.add_argument("--work-dir", default="outputs/bench")
+    ap.add_argument("--out", default="outputs/bench/modes.json")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        ap.error(f"--modes: unknown mode(s) {unknown} (known: {', '.join(MODES)})")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+    runs = {}
+    for mode in modes:
+        print(f"[bench] {mode} ...", file=sys.stderr, flush=True)
+        runs[mode] = run_mode(mode, args, overrides)
+    equal_time = min(sum(r["step_time_s"] for r in run["rows"]) for run in runs.values())
+    result = {
+        "benchmark": "modes",
+        "config": args.config,
+        "overrides": overrides,
+        "world_size": args.world_size,
+        "cpu_affinity": "each rank pinned to its own core, 1 compute thread (job.cpu_affinity=true)",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "steps": args.steps,
+        "warmup_steps": args.warmup,
+        "target_reward": args.target_reward,
+        "equal_time_s": equal_time,
+        "modes": {},
+    }
+    for mode, run in runs.items():
+        s = summarize(run["rows"], args.warmup, equal_time, args.target_reward)
+        s.update(placement=run["placement"], wall_s=run["wall_s"], command=run["command"])
+        result["modes"][mode] = s
+    others = [m for m in result["modes"] if m != "reflow"]
+    if "reflow" in result["modes"] and others:
+        best = max(others, key=lambda m: result["modes"][m]["tokens_per_s"])
+        result["reflow_speedup_vs_best_other"] = result["modes"]["reflow"]["tokens_per_s"] / max(result["modes"][best]["tokens_per_s"], 1e-9)
+        result["best_other_mode"] = best
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(format_table(result))
+    print(f"[bench] wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def format_table(result: dict) -> str:
+    head = f"{'mode':<13}{'tok/s':>9}{'fresh/s':>9}{'trn idle':>10}{'roll idle':>10}{'replay':>8}{'R first5':>10}{'R last5':>9}{'R@eq-t':>8}{'t->target':>11}"
+    lines = [head, "-" * len(head)]
+    for mode, s in result["modes"].items():
+        ttt = f"{s['time_to_target_s']:.1f}s" if s["time_to_target_s"] is not None else "-"
+        lines.append(
+            f"{mode:<13}{s['tokens_per_s']:>9.0f}{s['fresh_samples_per_s']:>9.1f}{s['trainer_idle_ratio']:>10.2f}{s['rollout_idle_ratio']:>10.2f}"
+            f"{s['replay_fraction']:>8.2f}{s['reward_first5']:>10.3f}{s['reward_last5']:>9.3f}{s['reward_at_equal_time']:>8.3f}{ttt:>11}"
+        )
+    if "reflow_speedup_vs_best_other" in result:
+        lines.append(f"reflow vs best other ({result['best_other_mode']}): {result['reflow_speedup_vs_best_other']:.2f}x tokens/s")
+    return "\n".join(lines)
