@@ -42,6 +42,8 @@ def run_mode(mode: str, args, overrides: list[str]) -> dict:
     if os.path.exists(os.path.join(dump, "metrics.jsonl")):
         os.remove(os.path.join(dump, "metrics.jsonl"))
     rollout_ranks = 0 if mode == "sync" else args.rollout_ranks
+    # sync is on-policy by definition: it syncs after every step whatever the workload's interval
+    per_mode = ["--weight_sync.interval=1"] if mode == "sync" else []
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world_size),
         "--master-port", str(_free_port()),
@@ -50,6 +52,7 @@ def run_mode(mode: str, args, overrides: list[str]) -> dict:
         f"--placement.num_rollout_ranks={rollout_ranks}", "--job.cpu_affinity=true",
         "--metrics.enable_progress_bar=false", "--checkpoint.enable=false", "--checkpoint.export_hf=false",
         *overrides,
+        *per_mode,
     ]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--rollout-ranks", type=int, default=1)
-    ap.add_argument("--target-reward", type=float, default=0.35)
+    ap.add_argument("--target-reward", type=float, default=0.1)
     ap.add_argument("--work-dir", default="outputs/bench")
     ap.add_argument("--out", default="outputs/bench/modes.json")
     args = ap.parse_args(argv)

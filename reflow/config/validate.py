@@ -71,6 +71,8 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
             f"= {r.top_p} renormalizes vLLM's sampling distribution, which biases the importance weights; "
             "use 1.0 or set training.is_truncation = 0",
         )
+    if t.mode != "sync" and cfg.metrics.eval_interval > 0:
+        fail("metrics.eval_interval", "is only supported in 'sync' mode so far (decoupled trainer ranks do not generate)")
     if cfg.checkpoint.load_step >= 0 and not cfg.checkpoint.enable:
         fail("checkpoint.load_step", f"= {cfg.checkpoint.load_step} needs checkpoint.enable = true")
     if cfg.model.attention not in ("sdpa", "flex"):

@@ -90,6 +90,8 @@ class DecoupledMode(ModeBase):
         self.rollout_only = [r for r in p.rollout_ranks if not p.is_trainer(r)]
         self.control = ControlChannel(control_group, c.rank, p.trainer_ranks[0], self.rollout_only)
         self.is_trainer = p.is_trainer(c.rank)
+        if self.is_trainer and not p.is_rollout(c.rank):
+            c.engine.sleep()  # built only because engine construction is collective; frees GPU memory
         if self.is_trainer:
             self.inbox = Inbox(data_group, self.rollout_only, "data")
             self.buffer = ReplayBuffer(
