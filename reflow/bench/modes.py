@@ -1,6 +1,6 @@
 """Side-by-side benchmark of the four training modes on one workload, world size and seed.
 
-    python -m reflow.bench modes [--steps 40] [--world-size 2] [--out outputs/bench/modes.json] [-- --key=value ...]
+    python -m reflow.bench modes [--time-budget 60] [--world-size 2] [--out outputs/bench/modes.json] [-- --key=value ...]
 
 Each mode runs as its own ``torchrun`` job on the same config (``train_configs/bench_modes.toml``:
 a rollout-bound chain_sum workload whose answer lengths have a long tail), with every rank pinned to
@@ -12,8 +12,10 @@ into trainer and rollout ranks. Reported per mode:
   fresh_samples_per_s   first-use samples trained on / step time (generation that reached the trainer)
   trainer_idle_ratio    mean share of a step the trainer waited for data (after warm-up)
   rollout_idle_ratio    mean share of time rollout ranks had nothing to generate (after warm-up)
-  reward_at_equal_time  mean reward of fresh samples in the last quarter of the shortest run's duration
-  time_to_target_s      first time the 5-step moving average of the reward reaches --target-reward
+  reward_at_equal_time  every mode trains for the same wall-clock budget (training.time_budget_s); the
+                        policy it ends with is scored on the held-out eval set (256 prompts x 4 samples,
+                        one embedded vLLM engine, same seed), next to the starting checkpoint's score
+  time_to_target_s      first time the 5-step moving average of the training reward reaches --target-reward
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def run_mode(mode: str, args, overrides: list[str]) -> dict:
         "--master-port", str(_free_port()),
         "-m", "reflow.train", "--config", args.config,
         f"--training.mode={mode}", f"--training.steps={args.steps}", f"--job.dump_folder={dump}",
+        f"--training.time_budget_s={args.time_budget}",
         f"--placement.num_rollout_ranks={rollout_ranks}", "--job.cpu_affinity=true",
-        "--metrics.enable_progress_bar=false", "--checkpoint.enable=false", "--checkpoint.export_hf=false",
+        "--metrics.enable_progress_bar=false", "--checkpoint.enable=false", "--checkpoint.export_hf=true",
         *overrides,
         *per_mode,
     ]
@@ -63,7 +66,22 @@ def run_mode(mode: str, args, overrides: list[str]) -> dict:
         raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     with open(os.path.join(dump, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return {"rows": rows, "wall_s": wall, "command": " ".join(cmd), "placement": _placement_line(proc.stderr)}
+    return {
+        "rows": rows,
+        "wall_s": wall,
+        "command": " ".join(cmd),
+        "placement": _placement_line(proc.stderr),
+        "eval": evaluate_policy(os.path.join(dump, "hf_final"), env),
+    }
+
+
+def evaluate_policy(hf_dir: str, env: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "reflow.bench.evaluate", "--hf", hf_dir], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"evaluation of {hf_dir} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _placement_line(stderr: str) -> str:
@@ -97,7 +115,7 @@ def summarize(rows: list[dict], warmup: int, equal_time_s: float, target: float)
         "replay_fraction": mean([r.get("replay_fraction", 0.0) for r in post]),
         "reward_first5": mean(rewards[:5]),
         "reward_last5": mean(rewards[-5:]),
-        "reward_at_equal_time": mean(in_window),
+        "train_reward_last_quarter": mean(in_window),
         "train_time_s": elapsed[-1] if elapsed else 0.0,
         "time_to_target_s": hit,
     }
@@ -111,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("what", choices=["modes"])
     ap.add_argument("--config", default="train_configs/bench_modes.toml")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=1000, help="step cap; the time budget normally ends the run")
+    ap.add_argument("--time-budget", type=float, default=60.0, help="training seconds per mode (equal wall-clock)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--rollout-ranks", type=int, default=1)
@@ -126,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
     runs = {}
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    print("[bench] scoring the starting checkpoint ...", file=sys.stderr, flush=True)
+    start_eval = evaluate_policy(os.path.join(ROOT, "assets", "tiny-qwen3"), env)
     for mode in modes:
         print(f"[bench] {mode} ...", file=sys.stderr, flush=True)
         runs[mode] = run_mode(mode, args, overrides)
@@ -141,11 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_steps": args.warmup,
         "target_reward": args.target_reward,
         "equal_time_s": equal_time,
+        "time_budget_s": args.time_budget,
+        "start_eval_reward": start_eval["reward_mean"],
         "modes": {},
     }
     for mode, run in runs.items():
         s = summarize(run["rows"], args.warmup, equal_time, args.target_reward)
         s.update(placement=run["placement"], wall_s=run["wall_s"], command=run["command"])
+        s["eval_reward_at_equal_time"] = run["eval"]["reward_mean"]
+        s["eval_solved_frac"] = run["eval"]["solved_frac"]
         result["modes"][mode] = s
     others = [m for m in result["modes"] if m != "reflow"]
     if "reflow" in result["modes"] and others:
@@ -160,13 +186,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(result: dict) -> str:
-    head = f"{'mode':<13}{'tok/s':>9}{'fresh/s':>9}{'trn idle':>10}{'roll idle':>10}{'replay':>8}{'R first5':>10}{'R last5':>9}{'R@eq-t':>8}{'t->target':>11}"
-    lines = [head, "-" * len(head)]
+    head = f"{'mode':<13}{'steps':>6}{'tok/s':>9}{'fresh/s':>9}{'trn idle':>10}{'roll idle':>10}{'replay':>8}{'R first5':>10}{'R last5':>9}{'eval R@eq-t':>12}{'t->target':>11}"
+    lines = [f"starting checkpoint eval reward: {result['start_eval_reward']:.3f}", head, "-" * len(head)]
     for mode, s in result["modes"].items():
         ttt = f"{s['time_to_target_s']:.1f}s" if s["time_to_target_s"] is not None else "-"
         lines.append(
-            f"{mode:<13}{s['tokens_per_s']:>9.0f}{s['fresh_samples_per_s']:>9.1f}{s['trainer_idle_ratio']:>10.2f}{s['rollout_idle_ratio']:>10.2f}"
-            f"{s['replay_fraction']:>8.2f}{s['reward_first5']:>10.3f}{s['reward_last5']:>9.3f}{s['reward_at_equal_time']:>8.3f}{ttt:>11}"
+            f"{mode:<13}{s['steps']:>6}{s['tokens_per_s']:>9.0f}{s['fresh_samples_per_s']:>9.1f}{s['trainer_idle_ratio']:>10.2f}"
+            f"{s['rollout_idle_ratio']:>10.2f}{s['replay_fraction']:>8.2f}{s['reward_first5']:>10.3f}{s['reward_last5']:>9.3f}"
+            f"{s['eval_reward_at_equal_time']:>12.3f}{ttt:>11}"
         )
     if "reflow_speedup_vs_best_other" in result:
         lines.append(f"reflow vs best other ({result['best_other_mode']}): {result['reflow_speedup_vs_best_other']:.2f}x tokens/s")

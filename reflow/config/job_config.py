@@ -42,6 +42,8 @@ class Training:
     no replay) or 'reflow' (bounded replay). The last three decouple trainer and rollout ranks."""
     steps: int = 100
     """Number of trainer steps (optimizer updates on a fresh batch)."""
+    time_budget_s: float = 0.0
+    """Stop after this many seconds of training (0 = no limit; training.steps still caps the run)."""
     prompts_per_step: int = 32
     """Prompts per trainer step, across all ranks (each yields a group of group_size samples)."""
     group_size: int = 8

@@ -107,6 +107,12 @@ def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default")
         s = resolve_settings(cfg)
         G, R, A = cfg.training.group_size, placement.num_rollout_ranks, placement.num_trainer_ranks
         batch = cfg.training.prompts_per_step * G
+        if s.delta < s.interval:
+            raise ConfigError(
+                f"{where('replay.delta')}: 'replay.delta' = {s.delta} must be >= weight_sync.interval = {s.interval} "
+                f"in '{cfg.training.mode}' mode: otherwise every sample of a version goes stale before the next sync "
+                "and the trainer starves"
+            )
         if s.b_max < batch * s.interval:
             raise ConfigError(
                 f"{where('rollout.b_max')}: 'rollout.b_max' = {s.b_max} must be >= the fresh samples the trainer can "

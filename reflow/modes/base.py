@@ -105,10 +105,21 @@ class ModeBase:
         c.logger.info(f"resumed from step {self.step} (policy version {self.version})")
 
     def run(self) -> list[dict]:
+        self.resume()
+        return self.train_loop()
+
+    def prompts_drawn(self) -> int:
+        """How far the run has read the prompt stream (stored in checkpoints)."""
+        return self._drawn
+
+    def train_loop(self) -> list[dict]:
+        """Steps until training.steps (or training.time_budget_s), with logging, evaluation and checkpoints.
+
+        Every rank that calls it trains (all ranks in colocated modes, the trainer ranks otherwise)."""
         c = self.c
         cfg = c.cfg
-        self.resume()
         history = []
+        start = time.perf_counter()
         while self.step < cfg.training.steps:
             self.step += 1
             row = self.train_one_step(self.step)
@@ -116,14 +127,25 @@ class ModeBase:
             if cfg.metrics.eval_interval and self.step % cfg.metrics.eval_interval == 0:
                 row["eval_reward"] = self.evaluate(cfg.metrics.eval_num_prompts)
             history.append(row)
-            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
+            last = self.step == cfg.training.steps or self._out_of_time(start)
+            if self.step % cfg.metrics.log_freq == 0 or last:
                 c.logger.log(self.step, row)
-            last = self.step == cfg.training.steps
-            if c.checkpoints.should_save(self.step, last) and c.trainer is not None:
-                extra = {"step": self.step, "policy_version": self.version, "prompts_drawn": self._drawn}
+            if c.checkpoints.should_save(self.step, last):
+                extra = {"step": self.step, "policy_version": self.version, "prompts_drawn": self.prompts_drawn()}
                 path = c.checkpoints.save(self.step, c.trainer, extra)
                 c.logger.info(f"checkpoint saved: {path}")
+            if last:
+                break
         return history
+
+    def _out_of_time(self, start: float) -> bool:
+        """training.time_budget_s reached? Decided on trainer rank 0 so every trainer rank stops together."""
+        budget = self.c.cfg.training.time_budget_s
+        if budget <= 0:
+            return False
+        flag = torch.tensor([1 if time.perf_counter() - start >= budget else 0])
+        dist.broadcast(flag, src=self.c.placement.trainer_ranks[0], group=self.c.trainer_group)
+        return bool(flag.item())
 
     # ---- metrics ----------------------------------------------------------------
 

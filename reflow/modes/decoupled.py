@@ -25,8 +25,9 @@ ranks) each run on their own gloo group, one background thread per process and p
 No deadlock: (1) the weight sync is the only collective both roles join, and both enter it only for a
 SYNC(v) that trainer rank 0 sent in step order; a rollout rank reaches it after at most one engine step.
 (2) The trainer waits only for fresh samples that are already dispatched or dispatchable: each version's
-budget B_max >= batch x interval (validated), spread evenly over the shards, and samples of the current
-version are never evicted before the next sync. (3) At the end rank 0 sends STOP; rollout ranks drop
+budget B_max >= batch x interval (validated), spread evenly over the shards, and delta >= interval
+(validated), so samples of the current rollout version stay in the window until the next sync. Samples
+that fall out of the window are evicted at sync points and before each batch is planned. (3) At the end rank 0 sends STOP; rollout ranks drop
 their in-flight requests and send END on the data plane; trainers drain until END from every rollout
 rank. Every thread exits; nothing sent is left unreceived.
 """
@@ -123,6 +124,8 @@ class DecoupledMode(ModeBase):
         c = self.c
         while True:
             self._receive()
+            # a long-tail sample can finish after its policy version left the window: never train on it
+            self.ledger["evicted"] += self.buffer.evict_stale(self.version)
             ready = torch.tensor([1 if self.buffer.can_serve(self.batch_local) else 0])
             dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=c.trainer_group)
             if ready.item():
@@ -259,7 +262,7 @@ class DecoupledMode(ModeBase):
         self.resume()
         history = []
         if self.is_trainer:
-            history = self._trainer_run()
+            history = self.train_loop()
             if self.c.rank == self.control.leader:
                 self.control.broadcast({"cmd": "stop"})
             # drain until END from every rollout rank
@@ -276,24 +279,8 @@ class DecoupledMode(ModeBase):
         self._write_ledger()
         return history
 
-    def _trainer_run(self) -> list[dict]:
-        c = self.c
-        cfg = c.cfg
-        history = []
-        while self.step < cfg.training.steps:
-            self.step += 1
-            row = self.train_one_step(self.step)
-            row["mode"] = self.name
-            history.append(row)
-            if self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps:
-                c.logger.log(self.step, row)
-            if c.checkpoints.should_save(self.step, self.step == cfg.training.steps):
-                extra = {"step": self.step, "policy_version": self.version, "prompts_drawn": self._global_drawn()}
-                path = c.checkpoints.save(self.step, c.trainer, extra)
-                c.logger.info(f"checkpoint saved: {path}")
-        return history
-
-    def _global_drawn(self) -> int:
+    def prompts_drawn(self) -> int:
+        """The furthest prompt any trainer shard has consumed (rollout ranks resume after it)."""
         d = torch.tensor([self._drawn], dtype=torch.long)
         dist.all_reduce(d, op=dist.ReduceOp.MAX, group=self.c.trainer_group)
         return int(d.item())

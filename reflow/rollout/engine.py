@@ -86,6 +86,7 @@ class RolloutEngine:
         self.engine = self.llm.llm_engine
         self.build_time_s = time.time() - t0
         self.cfg = cfg
+        self.per_request_seeds = on_gpu
         self.version = 0
         self.sleeping = False
         self.active: dict[str, Request] = {}  # vLLM request id -> request
@@ -103,7 +104,10 @@ class RolloutEngine:
             top_p=r.top_p,
             max_tokens=req.max_tokens - len(req.output_ids),
             logprobs=0,
-            seed=req.seed + len(req.output_ids),
+            # Per-request seeds make samples reproducible, but vLLM 0.32's CPU runner crashes when a seeded
+            # request's prefill is chunked ("CPU Generator does not use offset"); on CPU the engine-wide
+            # seed (job.seed + rank) is used instead.
+            seed=req.seed + len(req.output_ids) if self.per_request_seeds else None,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )

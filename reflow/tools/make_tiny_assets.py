@@ -38,7 +38,7 @@ SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 VOCAB_SIZE = 128
 
-LONG_TAIL = ChainSumSpec(min_terms=2, max_terms=48, tail_p=0.12)
+LONG_TAIL = ChainSumSpec(min_terms=2, max_terms=40, tail_p=0.2)
 
 TINY_ARCH = dict(
     hidden_size=128,

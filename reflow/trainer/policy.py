@@ -115,27 +115,36 @@ class PolicyTrainer:
         logits = model(inputs, attention_masks=masks)  # (B, T-1, V); SDPA is causal without masks
         return token_logprobs(logits, tokens[:, 1:], self.temperature)
 
-    def _micro_batches(self, batch: TrainBatch) -> list[tuple[int, TrainBatch]]:
-        """(offset, micro-batch) pairs; padded with zero-weight rows so every rank runs the same count."""
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor | None, TrainBatch]]:
+        """(row indices, micro-batch) pairs, rows grouped by length and each micro-batch cut to its own
+        longest row, so a long-tail straggler pads only its neighbours. Padded with zero-weight rows
+        (indices None) so every rank runs the same number of forward/backward passes."""
         mbs = self.cfg.training.micro_batch_size
-        local = [(i, batch.slice(i, i + mbs)) for i in range(0, batch.size, mbs)]
+        lengths = batch.loss_mask.shape[1] - batch.loss_mask.flip(-1).argmax(-1)  # last target column + 1
+        lengths = torch.where(batch.loss_mask.sum(-1) > 0, lengths, torch.ones_like(lengths))
+        order = torch.argsort(lengths, stable=True)
+        local = []
+        for i in range(0, batch.size, mbs):
+            rows = order[i : i + mbs]
+            width = int(lengths[rows].max().item())  # targets kept; tokens need one more column
+            mb = index(batch, rows)
+            local.append((rows, _trim(mb, width)))
         count = torch.tensor([len(local)], dtype=torch.long)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         while len(local) < int(count.item()):
-            local.append((-1, zero_batch(batch)))
+            local.append((None, zero_batch(batch)))
         return local
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Log-probs of every target token under ``model`` (default: the policy). (B, T-1)"""
+        """Log-probs of every target token under ``model`` (default: the policy). (B, T-1), 0 past a row's end."""
         model = model or self.model
-        width = batch.tokens.shape[1] - 1
-        outs = [torch.zeros(0, width)]
-        for offset, mb in self._micro_batches(batch):
+        out = torch.zeros(batch.size, batch.tokens.shape[1] - 1)
+        for rows, mb in self._micro_batches(batch):
             lp = self._logprobs(model, mb.tokens.to(self.device)).cpu()
-            if offset >= 0:
-                outs.append(lp)
-        return torch.cat(outs, 0)
+            if rows is not None:
+                out[rows, : lp.shape[1]] = lp
+        return out
 
     # ---- one trainer step --------------------------------------------------
 
@@ -182,13 +191,13 @@ class PolicyTrainer:
         den_v = max(den.item(), 1e-8)
         stats = dict.fromkeys(_STAT_KEYS, 0.0)
         stats["max_diff"] = 0.0
-        for offset, mb in self._micro_batches(batch):
+        for rows, mb in self._micro_batches(batch):
             mb = mb.to(self.device)
             new_lp = self._logprobs(self.model, mb.tokens)
-            rows = slice(offset, offset + mb.size)
-            if offset >= 0:
-                mb_old = old_lp[rows].to(self.device)
-                mb_ref = ref_lp[rows].to(self.device) if ref_lp is not None else None
+            width = new_lp.shape[1]
+            if rows is not None:
+                mb_old = old_lp[rows, :width].to(self.device)
+                mb_ref = ref_lp[rows, :width].to(self.device) if ref_lp is not None else None
             else:
                 # padding rows: any finite values do, their weight and mask are zero
                 mb_old = new_lp.detach()
@@ -252,6 +261,19 @@ class PolicyTrainer:
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.num_updates = int(state["num_updates"])
+
+
+def _trim(batch: TrainBatch, width: int) -> TrainBatch:
+    """Keep the first ``width`` target columns (and width + 1 token columns)."""
+    return TrainBatch(
+        tokens=batch.tokens[:, : width + 1],
+        loss_mask=batch.loss_mask[:, :width],
+        behavior_logprobs=batch.behavior_logprobs[:, :width],
+        versions=batch.versions[:, :width],
+        advantages=batch.advantages,
+        weights=batch.weights,
+        rewards=batch.rewards,
+    )
 
 
 _STAT_KEYS = ("loss", "tokens", "clipped", "is_weight", "kl", "behavior_kl", "samples")

@@ -140,3 +140,18 @@ def test_sync_mode_rejects_rollout_only_ranks():
     cfg = m.parse_args(["--placement.num_rollout_ranks=1"])
     with pytest.raises(ConfigError, match="num_rollout_ranks"):
         validate_world(cfg, 3, m.where)
+
+
+def test_decoupled_delta_must_cover_the_sync_interval():
+    m = ConfigManager()
+    cfg = m.parse_args(["--training.mode=reflow", "--placement.num_rollout_ranks=1", "--replay.delta=1", "--weight_sync.interval=2"])
+    validate(cfg, m.where)
+    with pytest.raises(ConfigError, match="replay.delta"):
+        validate_world(cfg, 2, m.where)
+
+
+def test_decoupled_needs_rollout_ranks():
+    m = ConfigManager()
+    cfg = m.parse_args(["--training.mode=async"])
+    with pytest.raises(ConfigError, match="num_rollout_ranks"):
+        validate_world(cfg, 2, m.where)

@@ -66,3 +66,20 @@ def test_baseline_modes_run(tmp_path, mode):
     sent = [u for led in ledgers if not led["trainer"] for u in led["sent"]]
     received = [u for led in ledgers if led["trainer"] for u in led["received"]]
     assert collections.Counter(received) == collections.Counter(sent)
+
+
+def test_time_budget_stops_all_ranks_and_exports(tmp_path):
+    """training.time_budget_s ends a decoupled run early on every rank; the policy is still exported."""
+    dump = str(tmp_path / "budget")
+    run_torchrun(
+        2,
+        [
+            "-m", "reflow.train", "--config", "train_configs/tiny.toml",
+            f"--job.dump_folder={dump}", "--training.mode=reflow", "--placement.num_rollout_ranks=1",
+            "--training.prompts_per_step=4", "--training.group_size=4", "--rollout.max_new_tokens=24",
+            "--training.steps=500", "--training.time_budget_s=3", "--metrics.enable_progress_bar=false",
+        ],
+    )
+    rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
+    assert 1 <= len(rows) < 500 and rows[-1]["step"] == len(rows)
+    assert os.path.exists(os.path.join(dump, "hf_final", "model.safetensors"))
