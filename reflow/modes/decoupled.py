@@ -45,7 +45,7 @@ import torch.distributed as dist
 from reflow.algorithms.grpo import replay_gradient_share
 from reflow.config.job_config import JobConfig
 from reflow.dataplane import ControlChannel, Inbox, Outbox
-from reflow.dataplane.transport import DATA, END
+from reflow.dataplane.transport import DATA
 from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.modes.rollouts import assign_advantages, make_group_requests, score, to_batch
 from reflow.replay import ReplayBuffer, build_filter, build_sampler

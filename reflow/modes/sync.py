@@ -15,10 +15,7 @@ exactly the inefficiency the ``reflow`` mode removes.
 
 from __future__ import annotations
 
-import time
 
-import torch
-import torch.distributed as dist
 
 from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.modes.rollouts import assign_advantages, make_group_requests, score, to_batch

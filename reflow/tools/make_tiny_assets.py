@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     model.save_pretrained(model_dir, safe_serialization=True)
     with open(os.path.join(model_dir, "reflow_sft.json"), "w") as f:
         json.dump({"args": vars(args), "history": history}, f, indent=1)
-    print(f"wrote {model_dir} and {data_dir}; greedy reward {greedy:.3f}, sampled reward {sampled:.3f}")
+    print(f"wrote {model_dir} and {data_dir}; greedy reward {greedy:.3f}, head scale {scale:.2f}, sampled reward {sampled:.3f}")
 
 
 if __name__ == "__main__":

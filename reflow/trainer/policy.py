@@ -33,7 +33,7 @@ from reflow.config.job_config import JobConfig
 from reflow.model.qwen3 import build_model_config, build_on_meta
 from reflow.model.recipe import Recipe
 from reflow.trainer.batch import TrainBatch, index, zero_batch
-from reflow.trainer.hf_io import build_adapter, export_hf, full_tensor, load_hf_into
+from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
 from reflow.trainer.parallelize import apply_fsdp
 
 

@@ -14,7 +14,6 @@ import json
 import os
 import sys
 
-import torch
 from safetensors.torch import load_file
 
 from reflow.config.job_config import JobConfig
