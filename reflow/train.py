@@ -91,7 +91,9 @@ def pin_local_gpu() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = local
 
 
-def build_components(cfg: JobConfig, manager: ConfigManager):
+def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
+    """Build every rank's components. ``recipe``, ``placement`` and ``warnings`` come from the checks
+    ``main`` ran before any rank started building."""
     import torch
 
     from reflow.checkpoint import CheckpointManager
@@ -105,8 +107,7 @@ def build_components(cfg: JobConfig, manager: ConfigManager):
     from reflow.trainer.policy import PolicyTrainer
     from reflow.weight_sync import WeightSync, build_sync_plan
 
-    # 1. config against the world and the recipe (before any heavy build)
-    recipe = load_recipe(cfg.model.recipe)
+    # 1. files the config points at (before any heavy build)
     hf_dir = resolve_hf_dir(cfg, recipe)
     check_hf_dir(hf_dir, "model.hf_checkpoint" if cfg.model.hf_checkpoint else f"{recipe.path}: [recipe] hf_checkpoint")
     task = build_task(cfg.task.name)
@@ -114,8 +115,8 @@ def build_components(cfg: JobConfig, manager: ConfigManager):
     eval_problems = load_problems(resolve_path(cfg.task.eval_file))
     # 2. distributed
     rank, world, device = init_distributed()
-    placement = validate_world(cfg, world, manager.where)
-    for w in validate_recipe(cfg, recipe, placement, manager.where):
+    assert world == placement.world_size, "the placement was validated against torchrun's WORLD_SIZE"
+    for w in warnings:
         if rank == 0:
             logger.warning(w)
     torch.manual_seed(cfg.job.seed)
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(cfg, manager)
         # the placement against torchrun's world size, before any rank builds anything
         placement = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), manager.where)
-        validate_recipe(cfg, load_recipe(cfg.model.recipe), placement, manager.where)
+        recipe = load_recipe(cfg.model.recipe)
+        warnings = validate_recipe(cfg, recipe, placement, manager.where)
     except (ConfigError, ValueError) as e:
         print(f"reflow: config error: {e}", file=sys.stderr)
         return 2
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from reflow.modes import MODES
 
-    c = build_components(cfg, manager)
+    c = build_components(cfg, recipe, placement, warnings)
     mode = MODES[cfg.training.mode](c)
     t0 = time.time()
     mode.run()

@@ -74,7 +74,6 @@ class WeightSync:
         # created by every rank (new_group is collective); None when everyone is colocated
         self.group = dist.new_group([self.src] + receivers) if receivers else None
         self.in_group = rank == self.src or rank in receivers
-        self.last_stats: dict[str, float] = {}
 
     def _bucket_tensors(self, trainer, state: dict, bucket) -> list[tuple[str, torch.Tensor]]:
         from reflow.trainer.hf_io import full_tensor
@@ -120,5 +119,4 @@ class WeightSync:
             for _ in stream:
                 pass
         dt = time.time() - t0
-        self.last_stats = {"weight_sync_s": dt, "weight_sync_numel": float(self.plan.numel)}
-        return self.last_stats
+        return {"weight_sync_s": dt, "weight_sync_numel": float(self.plan.numel)}
