@@ -12,6 +12,9 @@ into trainer and rollout ranks. Reported per mode:
   fresh_samples_per_s   first-use samples trained on / step time (generation that reached the trainer)
   trainer_idle_ratio    mean share of a step the trainer waited for data (after warm-up)
   rollout_idle_ratio    mean share of time rollout ranks had nothing to generate (after warm-up)
+  staleness             share of trained samples (fresh and replayed) at each staleness, after warm-up:
+                        how many policy versions older than the trainer the policy that began them was.
+                        sync trains only staleness 0, one_step_off only 1, async and reflow up to delta
   reward_at_equal_time  every mode trains for the same wall-clock budget (training.time_budget_s); the
                         policy it ends with is scored on the held-out eval set (256 prompts x 4 samples,
                         one embedded vLLM engine, same seed), next to the starting checkpoint's score
@@ -106,6 +109,7 @@ def summarize(rows: list[dict], warmup: int, equal_time_s: float, target: float)
     in_window = [r for r, e in zip(rewards, elapsed) if 0.75 * equal_time_s <= e <= equal_time_s] or rewards[-1:]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     return {
+        "staleness_distribution": staleness_distribution(post),
         "steps": len(rows),
         "tokens_per_s": tokens / time_s if time_s else 0.0,
         # first-use samples only: replayed tokens count in tokens_per_s (training throughput), not here
@@ -119,6 +123,17 @@ def summarize(rows: list[dict], warmup: int, equal_time_s: float, target: float)
         "train_time_s": elapsed[-1] if elapsed else 0.0,
         "time_to_target_s": hit,
     }
+
+
+def staleness_distribution(rows: list[dict]) -> dict[str, float]:
+    """Share of the trained samples of ``rows`` at each staleness ({"0": 0.1, "1": 0.9})."""
+    totals: list[int] = []
+    for row in rows:
+        for age, count in enumerate(row["staleness_counts"]):
+            totals.extend([0] * (age + 1 - len(totals)))
+            totals[age] += count
+    trained = sum(totals)
+    return {str(age): count / trained for age, count in enumerate(totals)} if trained else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,14 +201,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(result: dict) -> str:
-    head = f"{'mode':<13}{'steps':>6}{'tok/s':>9}{'fresh/s':>9}{'trn idle':>10}{'roll idle':>10}{'replay':>8}{'R first5':>10}{'R last5':>9}{'eval R@eq-t':>12}{'t->target':>11}"
+    head = (
+        f"{'mode':<13}{'steps':>6}{'tok/s':>9}{'fresh/s':>9}{'trn idle':>10}{'roll idle':>10}{'replay':>8}"
+        f"{'R first5':>10}{'R last5':>9}{'eval R@eq-t':>12}{'t->target':>11}  staleness 0/1/2/..."
+    )
     lines = [f"starting checkpoint eval reward: {result['start_eval_reward']:.3f}", head, "-" * len(head)]
     for mode, s in result["modes"].items():
         ttt = f"{s['time_to_target_s']:.1f}s" if s["time_to_target_s"] is not None else "-"
         lines.append(
             f"{mode:<13}{s['steps']:>6}{s['tokens_per_s']:>9.0f}{s['fresh_samples_per_s']:>9.1f}{s['trainer_idle_ratio']:>10.2f}"
             f"{s['rollout_idle_ratio']:>10.2f}{s['replay_fraction']:>8.2f}{s['reward_first5']:>10.3f}{s['reward_last5']:>9.3f}"
-            f"{s['eval_reward_at_equal_time']:>12.3f}{ttt:>11}"
+            f"{s['eval_reward_at_equal_time']:>12.3f}{ttt:>11}  "
+            + "/".join(f"{share:.2f}" for share in s["staleness_distribution"].values())
         )
     if "reflow_speedup_vs_best_other" in result:
         lines.append(f"reflow vs best other ({result['best_other_mode']}): {result['reflow_speedup_vs_best_other']:.2f}x tokens/s")

@@ -97,8 +97,9 @@ class Rollout:
     tensor_parallel_degree: int = 1
     """vLLM tensor parallel degree per engine (s_R). Only 1 is supported in this build."""
     b_max: int = 0
-    """B_max: most samples dispatched per policy version, over all rollout ranks (decoupled modes).
-    0 = what the trainer consumes between two syncs: prompts_per_step * group_size * weight_sync.interval."""
+    """B_max ('reflow' mode): samples that may start generating per trainer step, over all rollout ranks
+    (a multiple of group_size, >= the batch). 0 = the batch, prompts_per_step * group_size, as in the paper.
+    'one_step_off' and 'async' bound the samples started but not yet trained instead (modes/decoupled.py)."""
 
 
 @dataclass

@@ -102,40 +102,61 @@ def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default")
                 f"{where('placement.num_rollout_ranks')}: training.mode = {cfg.training.mode!r} decouples training "
                 "from generation: set placement.num_rollout_ranks >= 1"
             )
-        from reflow.modes.decoupled import resolve_settings
-
-        s = resolve_settings(cfg)
-        G, R, A = cfg.training.group_size, placement.num_rollout_ranks, placement.num_trainer_ranks
-        batch = cfg.training.prompts_per_step * G
-        if s.delta < s.interval:
-            raise ConfigError(
-                f"{where('replay.delta')}: 'replay.delta' = {s.delta} must be >= weight_sync.interval = {s.interval} "
-                f"in '{cfg.training.mode}' mode: otherwise every sample of a version goes stale before the next sync "
-                "and the trainer starves"
-            )
-        if s.b_max < batch * s.interval:
-            raise ConfigError(
-                f"{where('rollout.b_max')}: 'rollout.b_max' = {s.b_max} must be >= the fresh samples the trainer can "
-                f"consume between syncs ({batch} x {s.interval}), or the trainer would starve"
-            )
-        if s.b_max % (G * R * A):
-            raise ConfigError(
-                f"{where('rollout.b_max')}: B_max = {s.b_max} samples per version must split into whole groups of "
-                f"{G} over {R} rollout ranks and {A} trainer shards (a multiple of {G * R * A}); set rollout.b_max "
-                "or training.prompts_per_step accordingly"
-            )
-        if cfg.training.prompts_per_step * cfg.training.group_size % placement.num_trainer_ranks:
-            raise ConfigError(
-                f"{where('training.prompts_per_step')}: the batch (training.prompts_per_step x training.group_size = "
-                f"{cfg.training.prompts_per_step * cfg.training.group_size} samples) must split evenly over "
-                f"{placement.num_trainer_ranks} trainer ranks"
-            )
+        _validate_decoupled(cfg, placement, where)
     if cfg.training.mode == "sync" and cfg.training.prompts_per_step % world_size:
         raise ConfigError(
             f"{where('training.prompts_per_step')}: 'training.prompts_per_step' = {cfg.training.prompts_per_step} "
             f"must be divisible by the number of ranks ({world_size}) in 'sync' mode"
         )
     return placement
+
+
+def _validate_decoupled(cfg: JobConfig, placement, where) -> None:
+    """The decoupled modes' dispatch rule must be able to feed every trainer shard and every rollout rank."""
+    from reflow.modes.decoupled import resolve_settings
+    from reflow.scheduler import share_groups
+
+    mode, training = cfg.training.mode, cfg.training
+    group_size, num_rollout, num_shards = training.group_size, placement.num_rollout_ranks, placement.num_trainer_ranks
+    batch = training.prompts_per_step * group_size
+    if mode in ("async", "reflow") and cfg.replay.delta < cfg.weight_sync.interval:
+        raise ConfigError(
+            f"{where('replay.delta')}: 'replay.delta' = {cfg.replay.delta} must be >= weight_sync.interval = "
+            f"{cfg.weight_sync.interval} in '{mode}' mode: otherwise every sample of a version goes stale before the "
+            "next sync and the trainer starves"
+        )
+    if training.prompts_per_step % num_shards:
+        raise ConfigError(
+            f"{where('training.prompts_per_step')}: 'training.prompts_per_step' = {training.prompts_per_step} must be "
+            f"a multiple of the {num_shards} trainer ranks in '{mode}' mode (each shard trains whole groups)"
+        )
+    b_max = cfg.rollout.b_max
+    if b_max and mode != "reflow":
+        raise ConfigError(
+            f"{where('rollout.b_max')}: 'rollout.b_max' applies to 'reflow' mode only; '{mode}' bounds the samples "
+            "started but not yet trained instead (see reflow/modes/decoupled.py)"
+        )
+    if b_max and (b_max < batch or b_max % group_size):
+        raise ConfigError(
+            f"{where('rollout.b_max')}: 'rollout.b_max' = {b_max} samples per trainer step must be a multiple of "
+            f"training.group_size ({group_size}) and >= the batch ({batch}), or the trainer would starve"
+        )
+    rule = resolve_settings(cfg).dispatch
+    for limit, name in ((rule.window, "the window of samples started but not yet trained"), (rule.per_step, "B_max")):
+        if limit and limit // group_size < num_rollout:
+            raise ConfigError(
+                f"{where('placement.num_rollout_ranks')}: 'placement.num_rollout_ranks' = {num_rollout} is more than "
+                f"{name} ({limit // group_size} groups): some rollout ranks would never generate; use fewer rollout "
+                "ranks or raise training.prompts_per_step" + (" or rollout.b_max" if mode == "reflow" else "")
+            )
+    if mode == "one_step_off":
+        per_rank = max(sum(row) for row in share_groups(rule.window // group_size, num_rollout, num_shards)) * group_size
+        if cfg.rollout.max_num_seqs < per_rank:
+            raise ConfigError(
+                f"{where('rollout.max_num_seqs')}: 'rollout.max_num_seqs' = {cfg.rollout.max_num_seqs} must be >= "
+                f"{per_rank} in 'one_step_off' mode: each engine admits its whole share of the two batches in flight "
+                "at once, so that every batch is generated by exactly one policy version"
+            )
 
 
 def validate_recipe(cfg: JobConfig, recipe, placement, where=lambda key: "default") -> list[str]:

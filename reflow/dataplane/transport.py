@@ -56,7 +56,6 @@ class Outbox:
     def __init__(self, group, name: str):
         self.group = group
         self.q: queue.Queue = queue.Queue()
-        self.sent = 0
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"reflow-outbox-{name}", daemon=True)
         self.thread.start()
@@ -77,7 +76,6 @@ class Outbox:
                 header = torch.tensor([kind, payload.numel()], dtype=torch.long)
                 dist.send(header, dst, group=self.group)
                 dist.send(payload, dst, group=self.group)
-                self.sent += 1
         except BaseException as e:  # surfaced on the next put/close
             self.error = e
 
@@ -102,7 +100,6 @@ class Inbox:
         self.group = group
         self.waiting_for = set(senders)
         self.q: queue.Queue = queue.Queue()
-        self.received = 0
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"reflow-inbox-{name}", daemon=True)
         if self.waiting_for:
@@ -120,7 +117,6 @@ class Inbox:
                     self.waiting_for.discard(src)
                     self.q.put(Message(END, src, None))
                     continue
-                self.received += 1
                 self.q.put(Message(kind, src, _decode(payload)))
         except BaseException as e:
             self.error = e
@@ -154,7 +150,7 @@ class Inbox:
 
 
 class ControlChannel:
-    """Trainer rank 0 -> every rollout rank: SYNC(version) / STOP commands, over its own process group."""
+    """Trainer rank 0 -> rollout ranks: commands (any picklable object), in order, over their own process group."""
 
     def __init__(self, group, rank: int, leader: int, rollout_ranks: list[int]):
         self.rank = rank
@@ -163,16 +159,19 @@ class ControlChannel:
         self.outbox = Outbox(group, "control") if rank == leader else None
         self.inbox = Inbox(group, [leader], "control") if rank in rollout_ranks else None
 
-    def broadcast(self, command: dict) -> None:
-        assert self.outbox is not None, "only the leader sends commands"
+    def broadcast(self, command: Any) -> None:
         for r in self.rollout_ranks:
-            self.outbox.put(r, command, CONTROL)
+            self.send(r, command)
 
-    def poll(self) -> list[dict]:
+    def send(self, rank: int, command: Any) -> None:
+        assert self.outbox is not None, "only the leader sends commands"
+        self.outbox.put(rank, command, CONTROL)
+
+    def poll(self) -> list[Any]:
         """Commands that arrived (rollout ranks); never blocks."""
         return [m.body for m in self.inbox.drain() if m.kind == CONTROL] if self.inbox else []
 
-    def wait(self, timeout: float | None = None) -> dict | None:
+    def wait(self, timeout: float | None = None) -> Any | None:
         m = self.inbox.get(timeout)
         while m is not None and m.kind != CONTROL:
             m = self.inbox.get(timeout)

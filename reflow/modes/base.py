@@ -65,12 +65,14 @@ class StepTimer:
 
 class ModeBase:
     name = "base"
+    max_staleness = 0
+    """Largest staleness a trained sample can have in this mode (the length of ``staleness_counts`` - 1)."""
 
-    def __init__(self, c: Components):
-        self.c = c
+    def __init__(self, parts: Components):
+        self.parts = parts
         self.version = 0
         self.step = 0
-        self._stream = iterate_epochs(c.train_problems, c.cfg.job.seed)
+        self._stream = iterate_epochs(parts.train_problems, parts.cfg.job.seed)
         self._drawn = 0
 
     # ---- data ---------------------------------------------------------------
@@ -93,16 +95,16 @@ class ModeBase:
 
     def resume(self) -> None:
         """Load the checkpoint on trainer ranks; every rank learns the step and joins the weight sync."""
-        c = self.c
-        extra = c.checkpoints.maybe_load(c.trainer)
+        parts = self.parts
+        extra = parts.checkpoints.maybe_load(parts.trainer)
         if extra is None:
             return
         self.step = int(extra["step"])
         self.version = int(extra["policy_version"])
         self._skip_prompts(int(extra.get("prompts_drawn", 0)))
         # the engines still hold the initial weights
-        c.weight_sync.sync(c.trainer, c.engine, self.version)
-        c.logger.info(f"resumed from step {self.step} (policy version {self.version})")
+        parts.weight_sync.sync(parts.trainer, parts.engine, self.version)
+        parts.logger.info(f"resumed from step {self.step} (policy version {self.version})")
 
     def run(self) -> list[dict]:
         self.resume()
@@ -116,8 +118,8 @@ class ModeBase:
         """Steps until training.steps (or training.time_budget_s), with logging, evaluation and checkpoints.
 
         Every rank that calls it trains (all ranks in colocated modes, the trainer ranks otherwise)."""
-        c = self.c
-        cfg = c.cfg
+        parts = self.parts
+        cfg = parts.cfg
         history = []
         start = time.perf_counter()
         while self.step < cfg.training.steps:
@@ -129,22 +131,22 @@ class ModeBase:
             history.append(row)
             last = self.step == cfg.training.steps or self._out_of_time(start)
             if self.step % cfg.metrics.log_freq == 0 or last:
-                c.logger.log(self.step, row)
-            if c.checkpoints.should_save(self.step, last):
+                parts.logger.log(self.step, row)
+            if parts.checkpoints.should_save(self.step, last):
                 extra = {"step": self.step, "policy_version": self.version, "prompts_drawn": self.prompts_drawn()}
-                path = c.checkpoints.save(self.step, c.trainer, extra)
-                c.logger.info(f"checkpoint saved: {path}")
+                path = parts.checkpoints.save(self.step, parts.trainer, extra)
+                parts.logger.info(f"checkpoint saved: {path}")
             if last:
                 break
         return history
 
     def _out_of_time(self, start: float) -> bool:
         """training.time_budget_s reached? Decided on trainer rank 0 so every trainer rank stops together."""
-        budget = self.c.cfg.training.time_budget_s
+        budget = self.parts.cfg.training.time_budget_s
         if budget <= 0:
             return False
         flag = torch.tensor([1 if time.perf_counter() - start >= budget else 0])
-        dist.broadcast(flag, src=self.c.placement.trainer_ranks[0], group=self.c.trainer_group)
+        dist.broadcast(flag, src=self.parts.placement.trainer_ranks[0], group=self.parts.trainer_group)
         return bool(flag.item())
 
     # ---- metrics ----------------------------------------------------------------
@@ -155,15 +157,23 @@ class ModeBase:
         trained: list[Sample],
         stats: StepStats,
         timer: StepTimer,
+        trained_version: int,
         trainer_wait_s: float,
         rollout_wait_s: float,
     ) -> dict:
         """Metrics of one step over the trainer ranks (all ranks in colocated modes).
 
         Rewards and lengths describe ``new_samples`` (first use: what the current policy generates);
-        token throughput counts everything ``trained`` on (fresh and replayed)."""
-        c = self.c
+        token throughput counts everything ``trained`` on (fresh and replayed). ``staleness_counts[k]``
+        is how many trained samples were k versions older than the policy ``trained_version`` they
+        trained."""
+        parts = self.parts
         samples = new_samples
+        staleness = [0] * (self.max_staleness + 1)
+        for s in trained:
+            age = s.staleness(trained_version)
+            assert 0 <= age <= self.max_staleness, f"sample {s.uid} trained at staleness {age} > {self.max_staleness}"
+            staleness[age] += 1
         comp_tokens = sum(len(s.output_ids) for s in samples)
         trainer_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in trained)
         rewards = [s.reward for s in samples]
@@ -176,15 +186,17 @@ class ModeBase:
                 trainer_tokens,
                 sum(1 for r in rewards if r >= 1.0),
                 sum(1 for s in samples if s.finish_reason == "length"),
+                *staleness,
             ],
             dtype=torch.float64,
         )
-        dist.all_reduce(vec, group=c.trainer_group)
+        dist.all_reduce(vec, group=parts.trainer_group)
         maxlen = torch.tensor([max((len(s.output_ids) for s in samples), default=0)], dtype=torch.float64)
-        dist.all_reduce(maxlen, op=dist.ReduceOp.MAX, group=c.trainer_group)
+        dist.all_reduce(maxlen, op=dist.ReduceOp.MAX, group=parts.trainer_group)
         n = max(vec[2].item(), 1.0)
         step_time = timer.elapsed()
         mean = vec[0].item() / n
+        staleness_counts = [int(x) for x in vec[7:].tolist()]
         return {
             "reward_mean": mean,
             "reward_std": max(vec[1].item() / n - mean * mean, 0.0) ** 0.5,
@@ -193,6 +205,8 @@ class ModeBase:
             "tokens_per_s": vec[4].item() / max(step_time, 1e-9),
             "step_time_s": step_time,
             "policy_version": self.version,
+            "staleness_counts": staleness_counts,
+            "staleness_max": max((k for k, n in enumerate(staleness_counts) if n), default=0),
             "num_samples": int(vec[2].item()),
             "trainer_tokens": int(vec[4].item()),
             "response_len_mean": vec[3].item() / n,
@@ -215,15 +229,15 @@ class ModeBase:
 
     def evaluate(self, num_prompts: int) -> float:
         """Mean reward of one sample per held-out prompt, at the rollout temperature."""
-        c = self.c
-        problems = c.eval_problems[:num_prompts][c.rank :: c.world_size] if c.placement.is_rollout(c.rank) else []
+        parts = self.parts
+        problems = parts.eval_problems[:num_prompts][parts.rank :: parts.world_size] if parts.placement.is_rollout(parts.rank) else []
         reqs = []
         for p in problems:
             reqs.extend(
-                make_group_requests(p, -1, c.task, c.tokenizer, 1, c.cfg.rollout.max_new_tokens, c.cfg.job.seed, -1)
+                make_group_requests(p, -1, parts.task, parts.tokenizer, 1, parts.cfg.rollout.max_new_tokens, parts.cfg.job.seed, -1)
             )
-        done = c.engine.generate(reqs) if reqs else []
-        samples = score(done, c.task, c.tokenizer)
+        done = parts.engine.generate(reqs) if reqs else []
+        samples = score(done, parts.task, parts.tokenizer)
         vec = torch.tensor([sum(s.reward for s in samples), len(samples)], dtype=torch.float64)
         dist.all_reduce(vec)
         return vec[0].item() / max(vec[1].item(), 1.0)

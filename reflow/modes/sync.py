@@ -15,8 +15,6 @@ exactly the inefficiency the ``reflow`` mode removes.
 
 from __future__ import annotations
 
-
-
 from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.modes.rollouts import assign_advantages, make_group_requests, score, to_batch
 
@@ -24,43 +22,46 @@ from reflow.modes.rollouts import assign_advantages, make_group_requests, score,
 class SyncMode(ModeBase):
     name = "sync"
 
-    def __init__(self, c: Components):
-        super().__init__(c)
-        if not c.placement.colocated:
+    def __init__(self, parts: Components):
+        super().__init__(parts)
+        if not parts.placement.colocated:
             raise ValueError(
                 "training.mode = 'sync' runs colocated: set placement.num_rollout_ranks = 0 "
-                f"(got {c.placement.num_rollout_ranks})"
+                f"(got {parts.placement.num_rollout_ranks})"
             )
 
     def train_one_step(self, step: int) -> dict:
-        c = self.c
-        t = c.cfg.training
+        parts = self.parts
+        training = parts.cfg.training
         timer = StepTimer()
         # 1. dispatch: the same global prompt list on every rank, a shard each
-        drawn = self.next_prompts(t.prompts_per_step)
+        drawn = self.next_prompts(training.prompts_per_step)
         requests = [
             r
-            for draw, p in drawn[c.rank :: c.world_size]
+            for draw, p in drawn[parts.rank :: parts.world_size]
             for r in make_group_requests(
-                p, draw, c.task, c.tokenizer, t.group_size, c.cfg.rollout.max_new_tokens, c.cfg.job.seed, self.version
+                p, draw, parts.task, parts.tokenizer, training.group_size, parts.cfg.rollout.max_new_tokens,
+                parts.cfg.job.seed, self.version,
             )
         ]
         # 2. rollout with the current weights; the engine then frees its memory for training (GPU)
         with timer("gen"):
-            finished = c.engine.generate(requests)
-            c.engine.sleep()
+            finished = parts.engine.generate(requests)
+            parts.engine.sleep()
         # 3. score
-        samples = score(finished, c.task, c.tokenizer)
-        assign_advantages(samples, t.normalize_adv_std, t.advantage_eps)
-        batch = to_batch(samples, c.tokenizer.pad_id)
+        samples = score(finished, parts.task, parts.tokenizer)
+        assign_advantages(samples, training.normalize_adv_std, training.advantage_eps)
+        batch = to_batch(samples, parts.tokenizer.pad_id)
         # 4. train
         with timer("train"):
-            stats = c.trainer.train_step(batch)
+            stats = parts.trainer.train_step(batch)
+        trained_version = self.version
         self.version += 1
         # 5. sync the new weights into every engine (load_weights wakes it first)
         with timer("sync"):
-            if self.version % c.cfg.weight_sync.interval == 0:
-                c.weight_sync.sync(c.trainer, c.engine, self.version)
+            if self.version % parts.cfg.weight_sync.interval == 0:
+                parts.weight_sync.sync(parts.trainer, parts.engine, self.version)
         return self.step_metrics(
-            samples, samples, stats, timer, trainer_wait_s=timer.get("gen"), rollout_wait_s=timer.get("train") + timer.get("sync")
+            samples, samples, stats, timer, trained_version,
+            trainer_wait_s=timer.get("gen"), rollout_wait_s=timer.get("train") + timer.get("sync"),
         )

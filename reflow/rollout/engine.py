@@ -149,6 +149,18 @@ class RolloutEngine:
                 finished.append(req)
         return finished
 
+    def step_until_started(self) -> list[Request]:
+        """Step until every request in flight has at least one token; returns those that finished meanwhile.
+
+        Called before ``hold_all`` at a weight sync, so that a request's first token always comes from the
+        weights it was admitted under: its birth version (the oldest of its tokens) is its admission version.
+        Admission is capped by ``max_num_seqs``, so this is normally one step (the prefills of the newest
+        requests)."""
+        finished: list[Request] = []
+        while any(not req.output_ids for req in self.active.values()):
+            finished.extend(self.step())
+        return finished
+
     def hold_all(self) -> list[Request]:
         """Stop every in-flight request, keeping what it generated so far (tokens, log-probs, versions).
 

@@ -155,3 +155,45 @@ def test_decoupled_needs_rollout_ranks():
     cfg = m.parse_args(["--training.mode=async"])
     with pytest.raises(ConfigError, match="num_rollout_ranks"):
         validate_world(cfg, 2, m.where)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, key, words",
+    [
+        # b_max is reflow's per-step rule; the baselines bound the work ahead instead
+        (["--training.mode=async", "--rollout.b_max=512"], 2, "rollout.b_max", "'reflow' mode only"),
+        (["--training.mode=reflow", "--rollout.b_max=100"], 2, "rollout.b_max", "multiple of"),
+        (["--training.mode=reflow", "--rollout.b_max=128"], 2, "rollout.b_max", ">= the batch"),
+        # each of 2 trainer shards trains whole groups
+        (["--training.mode=reflow", "--training.prompts_per_step=3"], 3, "training.prompts_per_step", "multiple of the 2"),
+        # one_step_off: an engine admits its share of two batches at once (2 x 32 x 8 = 512 samples)
+        (["--training.mode=one_step_off", "--rollout.max_num_seqs=256"], 2, "rollout.max_num_seqs", ">= 512"),
+        # 2 prompts per step make a window of 4 groups: 5 rollout ranks could not all generate
+        (
+            ["--training.mode=async", "--training.prompts_per_step=2", "--placement.num_rollout_ranks=5",
+             "--replay.delta=1"],
+            6, "placement.num_rollout_ranks", "(4 groups): some rollout ranks would never generate",
+        ),
+    ],
+)
+def test_decoupled_dispatch_rule_rejections(overrides, world, key, words):
+    m = ConfigManager()
+    cfg = m.parse_args(["--placement.num_rollout_ranks=1", *overrides])
+    validate(cfg, m.where)
+    with pytest.raises(ConfigError) as err:
+        validate_world(cfg, world, m.where)
+    assert f"'{key}'" in str(err.value)
+    assert words in str(err.value)
+
+
+def test_decoupled_dispatch_rules_resolved_per_mode():
+    from reflow.modes.decoupled import resolve_settings
+
+    m = ConfigManager()
+    base = ["--placement.num_rollout_ranks=1", "--training.prompts_per_step=4", "--training.group_size=4"]
+    one = resolve_settings(m.parse_args([*base, "--training.mode=one_step_off", "--weight_sync.interval=3"]))
+    assert (one.delta, one.interval, one.min_staleness, one.dispatch.window, one.dispatch.per_step) == (1, 1, 1, 32, 0)
+    asy = resolve_settings(m.parse_args([*base, "--training.mode=async", "--replay.delta=3", "--weight_sync.interval=2"]))
+    assert (asy.steps_ahead, asy.dispatch.window, asy.dispatch.per_step) == (2, 48, 0)  # delta - k + 1 = 2
+    ref = resolve_settings(m.parse_args([*base, "--training.mode=reflow"]))
+    assert (ref.dispatch.window, ref.dispatch.per_step) == (0, 16)  # B_max defaults to the batch

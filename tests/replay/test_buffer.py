@@ -32,13 +32,13 @@ def test_fresh_floor_and_sigma_cap_by_hand():
     buf = ReplayBuffer(sigma=0.25, delta=4, sampler=RandomSampler(), replay_filter=AcceptAll())
     assert (min_fresh(8, 0.25), max_replay(8, 0.25)) == (6, 2)
     buf.add([sample(i) for i in range(5)])
-    assert buf.plan_batch(8) is None  # 5 < 6 unused: the trainer waits
+    assert buf.plan_batch(8, 0) is None  # 5 < 6 unused: the trainer waits
     buf.add([sample(5)])
-    plan = buf.plan_batch(8)
+    plan = buf.plan_batch(8, 0)
     assert len(plan.fresh) == 6 and plan.replayed == []  # nothing replayable yet
     buf.give_back(plan)
     buf.add([sample(10 + i) for i in range(6)])
-    plan = buf.plan_batch(8)
+    plan = buf.plan_batch(8, 0)
     assert len(plan.fresh) == 6 and len(plan.replayed) == 2 and plan.replay_fraction == 0.25
     assert all(s.use_count == 1 for s in plan.replayed)
 
@@ -46,16 +46,16 @@ def test_fresh_floor_and_sigma_cap_by_hand():
 def test_all_fresh_when_production_keeps_up():
     buf = ReplayBuffer(sigma=0.5, delta=4, sampler=RandomSampler(), replay_filter=AcceptAll())
     buf.add([sample(i) for i in range(8)])
-    buf.give_back(buf.plan_batch(8))
+    buf.give_back(buf.plan_batch(8, 0))
     buf.add([sample(100 + i) for i in range(20)])
-    plan = buf.plan_batch(8)
+    plan = buf.plan_batch(8, 0)
     assert len(plan.fresh) == 8 and plan.replayed == []
 
 
 def test_delta_eviction():
     buf = ReplayBuffer(sigma=0.5, delta=2, sampler=RandomSampler(), replay_filter=AcceptAll())
     buf.add([sample(0, version=0), sample(1, version=1), sample(2, version=3)])
-    assert buf.evict_stale(current_version=3) == 1  # 3 - 0 > 2
+    assert [s.uid for s in buf.evict_stale(current_version=3)] == ["s0"]  # 3 - 0 > 2
     assert sorted(s.uid for s in buf.drain()) == ["s1", "s2"]
     # a partial rollout's staleness counts from its oldest token
     s = sample(9)
@@ -63,12 +63,29 @@ def test_delta_eviction():
     assert s.staleness(4) == 3
 
 
+def test_min_staleness_trains_only_the_previous_versions_samples():
+    """one_step_off's floor: at version v >= 1 only samples at least one version old are eligible, oldest
+    first; at version 0 nothing can be older, so the first batch is served from version 0."""
+    buf = ReplayBuffer(sigma=0.0, delta=1, sampler=RandomSampler(), replay_filter=AcceptAll(), min_staleness=1)
+    buf.add([sample(i, version=0) for i in range(8)])
+    plan = buf.plan_batch(4, 0)
+    assert [s.uid for s in plan.fresh] == ["s0", "s1", "s2", "s3"]
+    buf.add([sample(10 + i, version=1) for i in range(4)])  # the next policy's samples arrive first
+    assert not buf.can_serve(8, 1) and buf.can_serve(4, 1)
+    plan = buf.plan_batch(4, 1)
+    assert [s.uid for s in plan.fresh] == ["s4", "s5", "s6", "s7"]  # version 0's, not version 1's
+    assert buf.plan_batch(4, 1) is None  # version 1's samples are too fresh at version 1
+    assert [s.uid for s in buf.plan_batch(4, 2).fresh] == ["s10", "s11", "s12", "s13"]
+    with pytest.raises(ValueError, match="min_staleness"):
+        ReplayBuffer(0.0, 1, RandomSampler(), AcceptAll(), min_staleness=2)
+
+
 def test_filters():
     assert RewardBand(0.2, 0.8).keep(sample(0, reward=0.5)) and not RewardBand(0.2, 0.8).keep(sample(0, reward=1.0))
     assert not NonzeroAdvantage().keep(sample(0, adv=0.0)) and NonzeroAdvantage().keep(sample(0, adv=-0.3))
     buf = ReplayBuffer(0.5, 4, RandomSampler(), NonzeroAdvantage())
     buf.add([sample(0, adv=0.0), sample(1, adv=1.0)])
-    assert buf.give_back(buf.plan_batch(2)) == 1
+    assert buf.give_back(buf.plan_batch(2, 0)) == 1
     with pytest.raises(ValueError, match="replay.filter"):
         build_filter("nope")
     with pytest.raises(ValueError, match="filter_reward_low"):
@@ -98,7 +115,7 @@ def test_batches_respect_bounds_and_lose_nothing(sigma, batch, arrivals, sampler
     for n in arrivals:
         buf.add([sample(made + i) for i in range(n)])
         made += n
-        plan = buf.plan_batch(batch)
+        plan = buf.plan_batch(batch, 0)
         if plan is None:
             assert buf.num_unused < math.ceil(batch * (1 - sigma) - 1e-9)
             continue

@@ -1,0 +1,188 @@
+"""One rollout rank of a decoupled run: admit groups, step the engine, route finished groups, obey commands.
+
+    loop  1. commands     take what trainer rank 0 sent (only here, never inside an engine step):
+                            SyncWeights(v)  step until every admitted request has its first token, hold
+                                            the requests in flight with their prefix, join the weight
+                                            sync, resume them under version v (partial rollouts)
+                            Progress        hand the trainer's counts to the dispatch budget
+                            Stop            drop what is in flight and leave
+          2. admit        whole groups, while the dispatch budget has room on some trainer shard and the
+                          engine has capacity; a group's destination shard is fixed here
+          3. generate     one engine step; a finished group is scored and put on the data outbox at once
+                          (the send happens on the outbox thread)
+          4. idle         nothing in flight: block on the control inbox until a command arrives
+
+Step 1's first-token rule makes a sample's birth version (its oldest token) equal to the version it was
+admitted under, which is what lets the dispatch budget, and nothing else, decide how stale samples get.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from reflow.dataplane import ControlChannel, Outbox
+from reflow.modes.commands import Progress, Stop, SyncWeights
+from reflow.modes.rollouts import PromptTokenizer, Sample, assign_advantages, make_group_requests, score
+from reflow.rollout.engine import Request, RolloutEngine
+from reflow.scheduler import DispatchBudget
+from reflow.tasks.base import Problem, Task, iterate_epochs
+
+
+class PromptShare:
+    """Rollout rank ``index`` of ``count`` takes the prompts of the run's stream whose draw index is
+    ``index`` mod ``count``; the draw index is the prompt's position in the stream, unique in the run."""
+
+    def __init__(self, problems: list[Problem], seed: int, index: int, count: int, first_draw: int = 0):
+        self.stream = iterate_epochs(problems, seed)
+        self.index, self.count = index, count
+        self.draw = 0
+        while self.draw < first_draw:  # a resumed run skips what the checkpointed run used
+            self._skip()
+
+    def _skip(self) -> None:
+        next(self.stream)
+        self.draw += 1
+
+    def next(self) -> tuple[int, Problem]:
+        while self.draw % self.count != self.index:
+            self._skip()
+        draw, problem = self.draw, next(self.stream)
+        self.draw += 1
+        return draw, problem
+
+
+class GroupAssembler:
+    """Collects a group's finished requests; the last one completes the group, which is then scored."""
+
+    def __init__(self, task: Task, tokenizer: PromptTokenizer, group_size: int, normalize_std: bool, eps: float, origin: int):
+        self.task, self.tokenizer = task, tokenizer
+        self.group_size, self.normalize_std, self.eps = group_size, normalize_std, eps
+        self.origin = origin
+        self.partial: dict[str, list[Request]] = {}
+
+    def add(self, req: Request) -> list[Sample] | None:
+        members = self.partial.setdefault(req.meta["group"], [])
+        members.append(req)
+        if len(members) < self.group_size:
+            return None
+        del self.partial[req.meta["group"]]
+        samples = score(members, self.task, self.tokenizer)
+        assign_advantages(samples, self.normalize_std, self.eps)
+        for sample in samples:
+            sample.origin = self.origin
+        return samples
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(members) for members in self.partial.values())
+
+
+@dataclass
+class BusyIdle:
+    """Engine time and idle time since the last report to trainer rank 0."""
+
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    last_report: float = field(default_factory=time.time)
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        components,
+        control: ControlChannel,
+        outbox: Outbox,
+        budget: DispatchBudget,
+        prompts: PromptShare,
+        rollout_index: int,
+    ):
+        cfg = components.cfg
+        self.cfg = cfg
+        self.engine: RolloutEngine = components.engine
+        self.weight_sync = components.weight_sync
+        self.task, self.tokenizer = components.task, components.tokenizer
+        self.trainer_ranks = components.placement.trainer_ranks
+        self.control, self.outbox, self.budget, self.prompts = control, outbox, budget, prompts
+        self.group_size = cfg.training.group_size
+        self.groups = GroupAssembler(
+            self.task, self.tokenizer, self.group_size, cfg.training.normalize_adv_std, cfg.training.advantage_eps, rollout_index
+        )
+        self.time = BusyIdle()
+        self.commands: deque = deque()
+        self.ledger: dict = {"sent": [], "dropped_at_stop": 0}
+
+    def run(self) -> None:
+        while True:
+            # 1. commands
+            self.commands.extend(self.control.poll())
+            while self.commands:
+                command = self.commands.popleft()
+                if isinstance(command, Stop):
+                    self.ledger["dropped_at_stop"] = len(self.engine.hold_all()) + self.groups.num_waiting
+                    return
+                if isinstance(command, SyncWeights):
+                    self._sync(command.version)
+                elif isinstance(command, Progress):
+                    self.budget.update(command.steps_done, command.retired)
+                else:
+                    raise TypeError(f"unknown control command {command!r}")
+            # 2. admit
+            self._admit()
+            # 3. generate, or 4. idle
+            if self.engine.num_active:
+                t0 = time.perf_counter()
+                for req in self.engine.step():
+                    self._finished(req)
+                self.time.busy_s += time.perf_counter() - t0
+            else:
+                t0 = time.perf_counter()
+                command = self.control.wait(timeout=0.05)
+                self.time.idle_s += time.perf_counter() - t0
+                if command is not None:
+                    self.commands.append(command)
+            if time.time() - self.time.last_report > 1.0:
+                self._report()
+
+    def _sync(self, version: int) -> None:
+        t0 = time.perf_counter()
+        for req in self.engine.step_until_started():
+            self._finished(req)
+        held = self.engine.hold_all()
+        self.time.busy_s += time.perf_counter() - t0
+        self.weight_sync.sync(None, self.engine, version)
+        for req in held:  # partial rollouts continue from their prefix; each token keeps its version
+            self.engine.add(req)
+        self._report()
+
+    def _admit(self) -> None:
+        cfg = self.cfg
+        while self.engine.num_active + self.group_size <= cfg.rollout.max_num_seqs:
+            shard = self.budget.next_shard()
+            if shard is None:
+                return
+            draw, problem = self.prompts.next()
+            now = time.time()
+            for req in make_group_requests(
+                problem, draw, self.task, self.tokenizer, self.group_size, cfg.rollout.max_new_tokens, cfg.job.seed,
+                self.engine.version,
+            ):
+                req.meta.update(shard=shard, admitted_at=now)
+                self.engine.add(req)
+            self.budget.record_start(shard)
+
+    def _finished(self, req: Request) -> None:
+        samples = self.groups.add(req)
+        if samples is None:
+            return
+        destination = self.trainer_ranks[req.meta["shard"]]
+        self.outbox.put(destination, {"type": "group", "samples": samples})
+        now = time.time()
+        self.ledger["sent"].extend(
+            {"uid": s.uid, "to": destination, "admitted_at": req.meta["admitted_at"], "finished_at": now} for s in samples
+        )
+
+    def _report(self) -> None:
+        self.outbox.put(self.control.leader, {"type": "stats", "busy_s": self.time.busy_s, "idle_s": self.time.idle_s})
+        self.time = BusyIdle()

@@ -1,0 +1,6 @@
+"""Scheduling decisions as plain Python: measurements and counts in, decisions out (no torch.distributed),
+so the live rollout loop, tests and a simulator run the same classes."""
+
+from reflow.scheduler.dispatch import DispatchBudget, DispatchRule, share_groups
+
+__all__ = ["DispatchBudget", "DispatchRule", "share_groups"]
