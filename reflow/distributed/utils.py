@@ -36,9 +36,11 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     if device_type() == "cuda":
+        # pin_local_gpu leaves each rank exactly its own GPU visible: then it is device 0, whatever LOCAL_RANK is
         local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
+        index = 0 if torch.cuda.device_count() == 1 else local
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
     return rank, world, device

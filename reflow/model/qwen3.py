@@ -89,6 +89,20 @@ def build_on_meta(cfg) -> torch.nn.Module:
         return cfg.build()
 
 
+def init_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Materialize the derived buffers (the RoPE cache) of a model built on meta and moved with ``to_empty``,
+    without initializing any parameter: the caller loads every parameter from a checkpoint or a transfer.
+
+    Not torchtitan's ``init_states``: on CUDA its first DTensor random op creates DTensor's RNG tracker,
+    which broadcasts over the whole world, so building a trainer on a subset of ranks would hang."""
+    if getattr(model, "enable_weight_tying", False):
+        model.tok_embeddings.weight = model.lm_head.weight  # as init_states does: re-tie after meta/to_empty
+    for module in model.modules():
+        init_self = getattr(module, "_init_self_buffers", None)  # torchtitan's per-module buffer hook
+        if init_self is not None:
+            init_self(buffer_device=device)
+
+
 def count_params(model: torch.nn.Module) -> int:
     seen = set()
     total = 0

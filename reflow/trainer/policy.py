@@ -3,7 +3,7 @@
 Build steps, in order (``PolicyTrainer.__init__``):
   1. model config from the recipe; model on the meta device
   2. FSDP2 over the trainer mesh (HSDP when the mesh is 2-D)
-  3. materialize on the device, init buffers, load the Hugging Face checkpoint
+  3. materialize on the device, init buffers (no parameter init), load the Hugging Face checkpoint
   4. optional frozen reference copy (for the KL penalty)
   5. AdamW over the sharded parameters
 
@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from reflow.algorithms.grpo import LossConfig, loss_denominator, token_loss_terms, weighted_token_sum
 from reflow.config.job_config import JobConfig
-from reflow.model.qwen3 import build_model_config, build_on_meta
+from reflow.model.qwen3 import build_model_config, build_on_meta, init_buffers
 from reflow.model.recipe import Recipe
 from reflow.trainer.batch import TrainBatch, index, zero_batch
 from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
@@ -98,7 +98,7 @@ class PolicyTrainer:
         apply_fsdp(model, self.mesh)
         model.to_empty(device=self.device)
         with torch.no_grad():
-            model.init_states(buffer_device=self.device)
+            init_buffers(model, self.device)  # every parameter comes from the checkpoint below
         load_hf_into(model, self.adapter, self.hf_dir, process_group=self.group)
         model.train()
         return model

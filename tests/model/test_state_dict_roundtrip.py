@@ -49,3 +49,19 @@ def test_logits_match_transformers():
         ours = model(tokens)
         theirs = ref(input_ids=tokens).logits
     assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+
+
+def test_init_buffers_builds_the_rope_cache_without_touching_parameters():
+    """The trainer's build path (meta -> to_empty -> init_buffers -> load) gives the same buffers as
+    torchtitan's init_states, draws no random numbers (no DTensor RNG tracker on CUDA) and leaves the
+    parameters for the checkpoint to fill."""
+    from reflow.model.qwen3 import build_on_meta, init_buffers
+
+    cfg, reference = _tt_model()
+    model = build_on_meta(cfg)
+    model.to_empty(device=torch.device("cpu"))
+    state = torch.random.get_rng_state()
+    init_buffers(model, torch.device("cpu"))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    buffers = dict(reference.named_buffers())
+    assert buffers and all(torch.equal(b, buffers[name]) for name, b in model.named_buffers())
