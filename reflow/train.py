@@ -22,7 +22,7 @@ import sys
 import time
 
 from reflow.config import ConfigError, ConfigManager, JobConfig, format_config
-from reflow.config.validate import validate, validate_recipe, validate_world
+from reflow.config.validate import mode_warnings, validate, validate_recipe, validate_world
 from reflow.model.recipe import load_recipe, resolve_path
 
 logger = logging.getLogger("reflow")
@@ -39,7 +39,7 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
     world = int(os.environ.get("WORLD_SIZE", "0")) or _planned_world_size(cfg)
     placement = validate_world(cfg, world, manager.where)
     recipe = load_recipe(cfg.model.recipe)
-    warnings = validate_recipe(cfg, recipe, placement, manager.where)
+    warnings = validate_recipe(cfg, recipe, placement, manager.where) + mode_warnings(cfg, manager.where)
     model_cfg = build_model_config(recipe, cfg.model.attention)
     diffs = check_architecture(recipe, model_cfg)
     if diffs:
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         # the placement against torchrun's world size, before any rank builds anything
         placement = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), manager.where)
         recipe = load_recipe(cfg.model.recipe)
-        warnings = validate_recipe(cfg, recipe, placement, manager.where)
+        warnings = validate_recipe(cfg, recipe, placement, manager.where) + mode_warnings(cfg, manager.where)
     except (ConfigError, ValueError) as e:
         print(f"reflow: config error: {e}", file=sys.stderr)
         return 2

@@ -172,7 +172,8 @@ class ModeBase:
         staleness = [0] * (self.max_staleness + 1)
         for s in trained:
             age = s.staleness(trained_version)
-            assert 0 <= age <= self.max_staleness, f"sample {s.uid} trained at staleness {age} > {self.max_staleness}"
+            if not 0 <= age <= self.max_staleness:
+                raise RuntimeError(f"sample {s.uid} trained at staleness {age}, outside [0, {self.max_staleness}]")
             staleness[age] += 1
         comp_tokens = sum(len(s.output_ids) for s in samples)
         trainer_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in trained)

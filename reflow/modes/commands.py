@@ -1,6 +1,7 @@
-"""The typed commands trainer rank 0 sends to every rollout rank on the control plane (in this order per step).
+"""The typed commands trainer rank 0 sends to the rollout ranks on the control plane.
 
-See ``reflow.modes.decoupled`` for the protocol they implement."""
+SyncWeights at sync points; Progress after every step (after that step's SyncWeights) and whenever the
+retired counts change while the trainer waits; Stop once. See ``reflow.modes.decoupled`` for the protocol."""
 
 from __future__ import annotations
 

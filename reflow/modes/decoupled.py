@@ -3,17 +3,22 @@
 What each mode is (``resolve_settings``); b = training.prompts_per_step x training.group_size:
 
     one_step_off  sigma 0, delta 1, sync every step, window 2b (steps_ahead 1), and a shard trains only
-                  samples exactly one version old: the batch the previous policy generated, while the
-                  current policy generates the next one (verl's one_step_off_policy recipe). After the
-                  first step every trained sample has staleness exactly 1.
+                  samples exactly one version old: the batch the previous policy began, while the current
+                  policy generates the next one (verl's one_step_off_policy recipe). After the first step
+                  every trained sample has staleness exactly 1. One difference from verl, which finishes
+                  the previous batch on the old weights before it syncs: a sample still generating at the
+                  sync continues under the new weights (a partial rollout, as in async). Its staleness,
+                  counted from its oldest token, is still 1, and the baseline is no weaker for it.
     async         sigma 0, delta = replay.delta, sync every weight_sync.interval = k steps, partial
                   rollouts held across syncs, window (steps_ahead + 1) x b with steps_ahead = delta - k + 1
                   (the paper's VeRL-async; verl fully_async, AReaL's max_head_offpolicyness and Tinker's
                   sampling_steps_ahead bound the work ahead of the trainer the same way). Why that
                   steps_ahead: a sample started when the trainer has done s steps runs on weights no older
-                  than s - (k - 1); with at most (steps_ahead + 1) x b samples ahead of it and b consumed per
-                  step it is trained by version s + steps_ahead, so at staleness <= steps_ahead + k - 1 =
-                  delta. The largest look-ahead that does not, in dispatch order, run into the bound.
+                  than s - (k - 1); if samples finish in the order they start, at most (steps_ahead + 1) x b
+                  are ahead of it and b are consumed per step, so it is trained by version s + steps_ahead,
+                  at staleness <= steps_ahead + k - 1 = delta: the largest look-ahead at which nothing is
+                  generated in vain. A long-tail sample overtaken by later ones can still exceed delta
+                  (shards take samples in arrival order); it is then evicted, never trained.
     reflow        sigma, tau, delta, k from the config, and the paper's dispatch rule: B_max samples may
                   start per trainer step (rollout.b_max, default b), whatever the step consumed; bounded
                   replay lets a shard step on b(1 - sigma) fresh samples, so generation runs ahead.
@@ -45,9 +50,10 @@ ranks) each run on their own gloo group, one background thread per process and p
                   inbox (rollout idle).
 
 Invariants the argument uses. (I1) A sample's birth version (oldest token) is the engine version it was
-admitted under: the first-token rule at SyncWeights. (I2) Commands arrive in the order sent, so a
-Progress that grants room after step s is applied after the SyncWeights of step s: what it admits runs
-on weights no older than s - (k - 1). (I3) Every shard owns a fixed share of each limit (whole groups),
+admitted under: the first-token rule at SyncWeights. (I2) Commands arrive in the order sent, and a rollout
+rank admits what a Progress grants before it applies the next command. So the room granted after step s
+is admitted after the SyncWeights of step s and before the next one: on weights no older than s - (k - 1),
+and, with k = 1, exactly s. (I3) Every shard owns a fixed share of each limit (whole groups),
 at least b/A over the rollout ranks (A trainer shards; training.prompts_per_step is a multiple of A).
 
 No deadlock. (1) The weight sync is the only collective both roles join; both enter it only for a
@@ -59,8 +65,9 @@ arrives stale, is evicted, retired and replaced by one started on weights no old
 v - delta, which cannot go stale while the trainer waits; so the share ends up unused in the shard, and
 b/A of it is enough. reflow: the share granted after the last step (>= b/A) was started after it (I2),
 cannot have been consumed yet and does not go stale, so >= b/A >= b(1 - sigma)/A unused samples arrive.
-one_step_off (window 2b, k = 1, eligible = born at v - 1): by induction on v, each shard gets exactly b/A
-samples born at v - 1 and b/A born at v, because the room a step's Progress grants is what that step
+one_step_off (window 2b, k = 1, eligible = born at v - 1): by induction on v from the version the run
+started or resumed at (where every sample is born and the floor is 0), each shard gets exactly b/A samples
+born at v - 1 and b/A born at v, because the room a step's Progress grants is what that step
 consumed, and all of it is admitted at once (validated: rollout.max_num_seqs holds a rank's whole share of
 the window; I1, I2). (3) At the end rank 0 sends Stop; rollout ranks drop their in-flight requests and
 send END on the data plane; trainers drain until END from every rollout rank. Every thread exits; nothing
@@ -228,7 +235,7 @@ class DecoupledMode(ModeBase):
         # 1. wait until every shard can serve a batch (fresh samples within the staleness bounds)
         with timer("wait"):
             self._wait_for_batch()
-        # 2. plan: fresh samples (oldest first), replayed ones up to sigma, each with its loss weight
+        # 2. plan: fresh samples (arrival order), replayed ones up to sigma, each with its loss weight
         plan = self.buffer.plan_batch(self.batch_per_shard, self.version)
         trained = plan.fresh + plan.replayed
         weights = [1.0] * len(plan.fresh) + [self.settings.tau] * len(plan.replayed)
@@ -285,6 +292,7 @@ class DecoupledMode(ModeBase):
         self.steps_done = self.step
         history = []
         if self.is_trainer:
+            self.buffer.start_version = self.version  # the engines start (or resume) on this version
             history = self.train_loop()
             if self.parts.rank == self.control.leader:
                 self.control.broadcast(Stop())

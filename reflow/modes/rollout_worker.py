@@ -7,7 +7,8 @@
                             Progress        hand the trainer's counts to the dispatch budget
                             Stop            drop what is in flight and leave
           2. admit        whole groups, while the dispatch budget has room on some trainer shard and the
-                          engine has capacity; a group's destination shard is fixed here
+                          engine has capacity (also right after each Progress, before the next command);
+                          a group's destination shard is fixed here
           3. generate     one engine step; a finished group is scored and put on the data outbox at once
                           (the send happens on the outbox thread)
           4. idle         nothing in flight: block on the control inbox until a command arrives
@@ -21,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from reflow.dataplane import ControlChannel, Outbox
 from reflow.modes.commands import Progress, Stop, SyncWeights
@@ -28,6 +30,9 @@ from reflow.modes.rollouts import PromptTokenizer, Sample, assign_advantages, ma
 from reflow.rollout.engine import Request, RolloutEngine
 from reflow.scheduler import DispatchBudget
 from reflow.tasks.base import Problem, Task, iterate_epochs
+
+if TYPE_CHECKING:
+    from reflow.modes.base import Components
 
 
 class PromptShare:
@@ -74,9 +79,9 @@ class GroupAssembler:
             sample.origin = self.origin
         return samples
 
-    @property
-    def num_waiting(self) -> int:
-        return sum(len(members) for members in self.partial.values())
+    def waiting_ids(self) -> list[str]:
+        """Finished requests whose group is not complete yet."""
+        return [req.request_id for members in self.partial.values() for req in members]
 
 
 @dataclass
@@ -91,27 +96,27 @@ class BusyIdle:
 class RolloutWorker:
     def __init__(
         self,
-        components,
+        parts: "Components",
         control: ControlChannel,
         outbox: Outbox,
         budget: DispatchBudget,
         prompts: PromptShare,
         rollout_index: int,
     ):
-        cfg = components.cfg
+        cfg = parts.cfg
         self.cfg = cfg
-        self.engine: RolloutEngine = components.engine
-        self.weight_sync = components.weight_sync
-        self.task, self.tokenizer = components.task, components.tokenizer
-        self.trainer_ranks = components.placement.trainer_ranks
+        self.engine: RolloutEngine = parts.engine
+        self.weight_sync = parts.weight_sync
+        self.task, self.tokenizer = parts.task, parts.tokenizer
+        self.trainer_ranks = parts.placement.trainer_ranks
         self.control, self.outbox, self.budget, self.prompts = control, outbox, budget, prompts
         self.group_size = cfg.training.group_size
         self.groups = GroupAssembler(
             self.task, self.tokenizer, self.group_size, cfg.training.normalize_adv_std, cfg.training.advantage_eps, rollout_index
         )
-        self.time = BusyIdle()
+        self.busy_idle = BusyIdle()
         self.commands: deque = deque()
-        self.ledger: dict = {"sent": [], "dropped_at_stop": 0}
+        self.ledger: dict = {"started": [], "sent": [], "dropped_at_stop": []}
 
     def run(self) -> None:
         while True:
@@ -120,12 +125,14 @@ class RolloutWorker:
             while self.commands:
                 command = self.commands.popleft()
                 if isinstance(command, Stop):
-                    self.ledger["dropped_at_stop"] = len(self.engine.hold_all()) + self.groups.num_waiting
+                    self.ledger["dropped_at_stop"] = [req.request_id for req in self.engine.hold_all()]
+                    self.ledger["dropped_at_stop"] += self.groups.waiting_ids()
                     return
                 if isinstance(command, SyncWeights):
                     self._sync(command.version)
                 elif isinstance(command, Progress):
                     self.budget.update(command.steps_done, command.retired)
+                    self._admit()  # on the weights of now, before a SyncWeights queued behind it applies
                 else:
                     raise TypeError(f"unknown control command {command!r}")
             # 2. admit
@@ -135,14 +142,14 @@ class RolloutWorker:
                 t0 = time.perf_counter()
                 for req in self.engine.step():
                     self._finished(req)
-                self.time.busy_s += time.perf_counter() - t0
+                self.busy_idle.busy_s += time.perf_counter() - t0
             else:
                 t0 = time.perf_counter()
                 command = self.control.wait(timeout=0.05)
-                self.time.idle_s += time.perf_counter() - t0
+                self.busy_idle.idle_s += time.perf_counter() - t0
                 if command is not None:
                     self.commands.append(command)
-            if time.time() - self.time.last_report > 1.0:
+            if time.time() - self.busy_idle.last_report > 1.0:
                 self._report()
 
     def _sync(self, version: int) -> None:
@@ -150,7 +157,7 @@ class RolloutWorker:
         for req in self.engine.step_until_started():
             self._finished(req)
         held = self.engine.hold_all()
-        self.time.busy_s += time.perf_counter() - t0
+        self.busy_idle.busy_s += time.perf_counter() - t0
         self.weight_sync.sync(None, self.engine, version)
         for req in held:  # partial rollouts continue from their prefix; each token keeps its version
             self.engine.add(req)
@@ -170,6 +177,7 @@ class RolloutWorker:
             ):
                 req.meta.update(shard=shard, admitted_at=now)
                 self.engine.add(req)
+                self.ledger["started"].append(req.request_id)
             self.budget.record_start(shard)
 
     def _finished(self, req: Request) -> None:
@@ -184,5 +192,5 @@ class RolloutWorker:
         )
 
     def _report(self) -> None:
-        self.outbox.put(self.control.leader, {"type": "stats", "busy_s": self.time.busy_s, "idle_s": self.time.idle_s})
-        self.time = BusyIdle()
+        self.outbox.put(self.control.leader, {"type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s})
+        self.busy_idle = BusyIdle()

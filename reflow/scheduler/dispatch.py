@@ -9,7 +9,8 @@ stale. A mode bounds the samples started with one or both of two limits:
              recipes, AReaL (max_head_offpolicyness) and the Tinker cookbook (sampling_steps_ahead):
              in flight plus finished-and-waiting never exceeds steps_ahead batches beyond the one the
              trainer is on, and generation goes on while the trainer trains.
-  per_step   started <= per_step x (trainer steps done + 1). The ReFlow paper's B_max: every trainer
+  per_step   started <= per_step x (trainer steps done since the run started or resumed + 1). The
+             ReFlow paper's B_max: every trainer
              step lets B_max more samples start, whatever that step consumed, so generation runs ahead
              of the trainer whenever replay lowers fresh consumption.
 
@@ -21,6 +22,7 @@ only in total (a shard cannot sit empty while another one's surplus fills the wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -52,11 +54,14 @@ class DispatchRule:
 def share_groups(total_groups: int, num_rollout: int, num_shards: int) -> list[list[int]]:
     """Split whole groups over (rollout rank, shard) pairs: ``shares[r][a]`` groups.
 
-    The k-th group goes to shard k mod A from rollout rank k mod R, so any two shards' totals differ by at
-    most one group, and so do any two rollout ranks' totals."""
+    The k-th group goes to shard k mod A from rollout rank (k + k div L) mod R, L = lcm(R, A): any two
+    shards' totals differ by at most one group, so do any two rollout ranks' totals, and the shift by
+    k div L lets every rollout rank feed every shard when there are enough groups (with R = A = 2, plain
+    k mod R would tie rollout rank 0 to shard 0 for good)."""
+    lcm = num_rollout * num_shards // math.gcd(num_rollout, num_shards)
     shares = [[0] * num_shards for _ in range(num_rollout)]
     for k in range(total_groups):
-        shares[k % num_rollout][k % num_shards] += 1
+        shares[(k + k // lcm) % num_rollout][k % num_shards] += 1
     return shares
 
 

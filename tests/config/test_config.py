@@ -166,6 +166,8 @@ def test_decoupled_needs_rollout_ranks():
         (["--training.mode=reflow", "--rollout.b_max=128"], 2, "rollout.b_max", ">= the batch"),
         # each of 2 trainer shards trains whole groups
         (["--training.mode=reflow", "--training.prompts_per_step=3"], 3, "training.prompts_per_step", "multiple of the 2"),
+        # rollout ranks admit whole groups
+        (["--training.mode=async", "--rollout.max_num_seqs=4"], 2, "rollout.max_num_seqs", ">= training.group_size = 8"),
         # one_step_off: an engine admits its share of two batches at once (2 x 32 x 8 = 512 samples)
         (["--training.mode=one_step_off", "--rollout.max_num_seqs=256"], 2, "rollout.max_num_seqs", ">= 512"),
         # 2 prompts per step make a window of 4 groups: 5 rollout ranks could not all generate
@@ -197,3 +199,15 @@ def test_decoupled_dispatch_rules_resolved_per_mode():
     assert (asy.steps_ahead, asy.dispatch.window, asy.dispatch.per_step) == (2, 48, 0)  # delta - k + 1 = 2
     ref = resolve_settings(m.parse_args([*base, "--training.mode=reflow"]))
     assert (ref.dispatch.window, ref.dispatch.per_step) == (0, 16)  # B_max defaults to the batch
+
+
+def test_keys_the_mode_does_not_read_are_reported_not_rewritten():
+    from reflow.config.validate import mode_warnings
+
+    m = ConfigManager()
+    cfg = m.parse_args(["--training.mode=one_step_off", "--replay.delta=3", "--weight_sync.interval=2"])
+    said = mode_warnings(cfg, m.where)
+    assert any("'replay.delta' is not used in 'one_step_off'" in w for w in said)
+    assert any("'weight_sync.interval' is not used in 'one_step_off'" in w for w in said)
+    assert cfg.replay.delta == 3 and cfg.weight_sync.interval == 2
+    assert mode_warnings(m.parse_args(["--training.mode=reflow", "--replay.sigma=0.5"]), m.where) == []

@@ -1,12 +1,15 @@
 """The dispatch rule: shares, the window and per-step limits, and a protocol simulation of every decoupled mode
 in which the real DispatchBudget and ReplayBuffer meet arbitrary finish orders (long tails included)."""
 
+import dataclasses
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reflow.config import ConfigManager
+from reflow.modes.decoupled import resolve_settings
 from reflow.replay import AcceptAll, BufferedSample, RandomSampler, ReplayBuffer
 from reflow.scheduler import DispatchBudget, DispatchRule, share_groups
 
@@ -18,6 +21,8 @@ def test_shares_are_balanced_over_shards_and_rollout_ranks(total, num_rollout, n
     per_rollout = [sum(row) for row in shares]
     assert sum(per_shard) == total
     assert max(per_shard) - min(per_shard) <= 1 and max(per_rollout) - min(per_rollout) <= 1
+    if total >= num_rollout * num_shards:  # enough groups: every rollout rank feeds every shard
+        assert all(n > 0 for row in shares for n in row), shares
 
 
 def test_window_grants_exactly_what_was_retired():
@@ -65,36 +70,60 @@ def test_rule_needs_a_limit():
 # ---------------------------------------------------------------- protocol simulation
 
 
-def simulate(mode, rng, *, prompts=4, group=2, num_rollout=1, num_shards=1, delta=1, interval=1, steps=12, sigma=0.0):
-    """Rollout ranks with a real DispatchBudget, trainer shards with a real ReplayBuffer, the protocol's order
-    (SyncWeights, then Progress after every step), and groups that finish in a random order, some much later
-    (a long tail). Returns, per step, the staleness of every fresh sample trained."""
-    batch = prompts * group
-    if mode == "one_step_off":
-        rule, min_staleness, delta, interval = DispatchRule(window=2 * batch), 1, 1, 1
-    elif mode == "async":
-        rule, min_staleness = DispatchRule(window=(delta - interval + 2) * batch), 0
-    else:
-        rule, min_staleness = DispatchRule(per_step=batch), 0
-    budgets = [DispatchBudget(rule, r, num_rollout, num_shards, group) for r in range(num_rollout)]
-    buffers = [ReplayBuffer(sigma, delta, RandomSampler(), AcceptAll(), seed=a, min_staleness=min_staleness) for a in range(num_shards)]
+def simulate(
+    mode, rng, *, prompts=4, group=2, num_rollout=1, num_shards=1, delta=1, interval=1, steps=12, sigma=0.0,
+    start=0, in_order=False, extra_ahead=0,
+):
+    """Rollout ranks with a real DispatchBudget, trainer shards with a real ReplayBuffer, each mode's settings
+    from ``resolve_settings``, the protocol's order (SyncWeights, then Progress after every step), and groups
+    that finish in a random order, some much later (a long tail), or in the order they started. ``start``:
+    the run resumes at that step and version. Returns, per step, the staleness of every fresh sample trained,
+    and how many samples were evicted unused."""
+    cfg = ConfigManager().parse_args(
+        [
+            f"--training.mode={mode}", f"--training.prompts_per_step={prompts}", f"--training.group_size={group}",
+            f"--replay.delta={delta}", f"--weight_sync.interval={interval}", f"--replay.sigma={sigma}",
+        ]
+    )
+    settings = resolve_settings(cfg)
+    if extra_ahead:  # a window larger than the mode's: for showing that the mode's is the largest safe one
+        settings = dataclasses.replace(
+            settings, dispatch=DispatchRule(window=settings.dispatch.window + extra_ahead * prompts * group)
+        )
+    delta, interval = settings.delta, settings.interval
+    budgets = [DispatchBudget(settings.dispatch, r, num_rollout, num_shards, group, start_step=start) for r in range(num_rollout)]
+    buffers = [
+        ReplayBuffer(settings.sigma, delta, RandomSampler(), AcceptAll(), seed=a, min_staleness=settings.min_staleness)
+        for a in range(num_shards)
+    ]
+    for buf in buffers:
+        buf.start_version = start
     retired = [[0] * num_shards for _ in range(num_rollout)]
-    in_flight: list[tuple[int, int, int, int]] = []  # (rollout, shard, birth version, group id)
-    version = engine_version = steps_done = made = 0
-    per_shard = batch // num_shards
+    started = [[0] * num_shards for _ in range(num_rollout)]
+    in_flight: list[tuple[int, int, int, int]] = []  # (rollout, shard, birth version, group id), in start order
+    version = engine_version = steps_done = start
+    made = evicted = 0
+    per_shard = prompts * group // num_shards
     trained: list[list[int]] = []
-    while steps_done < steps:
+    while steps_done < start + steps:
         # rollout ranks admit everything their budget allows, on the engine's current weights
         for r, budget in enumerate(budgets):
             while (shard := budget.next_shard()) is not None:
                 budget.record_start(shard)
+                started[r][shard] += group
                 in_flight.append((r, shard, engine_version, made))
                 made += 1
+        # the window bounds what is started and not yet retired, per (rollout rank, shard) pair
+        if settings.dispatch.window:
+            for r, budget in enumerate(budgets):
+                for a in range(num_shards):
+                    assert started[r][a] - retired[r][a] <= budget.window_share[a]
         # trainer shards: evict what went stale (retiring unused samples), then step if all can serve
         for a, buf in enumerate(buffers):
             for s in buf.evict_stale(version):
                 if s.use_count == 0:
                     retired[s.origin][a] += 1
+                    evicted += 1
         if all(buf.can_serve(per_shard, version) for buf in buffers):
             ages = []
             for a, buf in enumerate(buffers):
@@ -112,8 +141,8 @@ def simulate(mode, rng, *, prompts=4, group=2, num_rollout=1, num_shards=1, delt
                 budget.update(steps_done, [retired[r][a] for a in range(num_shards)])
             continue
         assert in_flight, f"deadlock at version {version}: nothing in flight and a shard cannot serve a batch"
-        # one group finishes: any of those in flight, the oldest less likely (a long tail)
-        r, shard, birth, gid = in_flight.pop(rng.randrange(len(in_flight)) if rng.random() < 0.8 else 0)
+        # one group finishes: the oldest (in order), or any of those in flight, the oldest less likely (a long tail)
+        r, shard, birth, gid = in_flight.pop(0 if in_order or rng.random() >= 0.8 else rng.randrange(len(in_flight)))
         buffers[shard].add(
             [
                 BufferedSample(
@@ -123,19 +152,24 @@ def simulate(mode, rng, *, prompts=4, group=2, num_rollout=1, num_shards=1, delt
                 for k in range(group)
             ]
         )
-        # the window is never exceeded: started minus retired, per shard
-        for budget in budgets:
-            for a in range(num_shards):
-                assert budget.outstanding(a) <= (budget.window_share[a] if budget.window_share else 10**9)
-    return trained
+    return trained, evicted
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10**6), num_rollout=st.sampled_from([1, 2, 3]), num_shards=st.sampled_from([1, 2, 4]))
-def test_one_step_off_trains_exactly_the_previous_policys_batch(seed, num_rollout, num_shards):
-    trained = simulate("one_step_off", random.Random(seed), prompts=4, num_rollout=num_rollout, num_shards=num_shards)
+@given(
+    seed=st.integers(0, 10**6),
+    num_rollout=st.sampled_from([1, 2, 3]),
+    num_shards=st.sampled_from([1, 2, 4]),
+    start=st.sampled_from([0, 7]),
+)
+def test_one_step_off_trains_exactly_the_previous_policys_batch(seed, num_rollout, num_shards, start):
+    """Also after a resume at step/version 7: the first step trains the resumed version's samples."""
+    trained, evicted = simulate(
+        "one_step_off", random.Random(seed), prompts=4, num_rollout=num_rollout, num_shards=num_shards, start=start
+    )
     assert trained[0] == [0] * 8
     assert all(ages == [1] * 8 for ages in trained[1:])
+    assert evicted == 0
 
 
 @settings(max_examples=40, deadline=None)
@@ -144,19 +178,32 @@ def test_one_step_off_trains_exactly_the_previous_policys_batch(seed, num_rollou
     delta_interval=st.sampled_from([(1, 1), (2, 1), (2, 2), (3, 2), (4, 2)]),
     num_rollout=st.sampled_from([1, 2]),
     num_shards=st.sampled_from([1, 2]),
+    start=st.sampled_from([0, 5]),
 )
-def test_async_never_deadlocks_and_never_exceeds_delta(seed, delta_interval, num_rollout, num_shards):
+def test_async_never_deadlocks(seed, delta_interval, num_rollout, num_shards, start):
     delta, interval = delta_interval
-    trained = simulate("async", random.Random(seed), delta=delta, interval=interval, num_rollout=num_rollout, num_shards=num_shards)
-    assert max(age for ages in trained for age in ages) <= delta
-    assert all(len(ages) == 8 for ages in trained)
+    trained, _ = simulate(
+        "async", random.Random(seed), delta=delta, interval=interval, num_rollout=num_rollout, num_shards=num_shards,
+        start=start,
+    )
+    assert len(trained) == 12 and all(len(ages) == 8 for ages in trained)
+
+
+@pytest.mark.parametrize("delta,interval", [(1, 1), (2, 1), (2, 2), (3, 2), (4, 2), (5, 3)])
+def test_async_steps_ahead_wastes_nothing_when_samples_finish_in_order(delta, interval):
+    """steps_ahead = delta - k + 1 is the largest look-ahead at which, finishing in start order, no sample is
+    evicted unused: generation runs as far ahead as delta allows and no further."""
+    trained, evicted = simulate("async", random.Random(0), delta=delta, interval=interval, in_order=True, steps=20)
+    assert evicted == 0
+    assert max(age for ages in trained for age in ages) == delta  # it does use the whole bound
+    _, evicted = simulate("async", random.Random(0), delta=delta, interval=interval, in_order=True, steps=20, extra_ahead=1)
+    assert evicted > 0  # one batch further ahead generates samples in vain
 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), num_rollout=st.sampled_from([1, 2]), num_shards=st.sampled_from([1, 2]))
 def test_reflow_per_step_rule_never_deadlocks(seed, num_rollout, num_shards):
-    trained = simulate(
+    trained, _ = simulate(
         "reflow", random.Random(seed), delta=2, interval=2, sigma=0.5, num_rollout=num_rollout, num_shards=num_shards
     )
-    assert max(age for ages in trained for age in ages) <= 2
-    assert all(len(ages) >= 4 for ages in trained)  # at least b(1 - sigma) fresh samples per step
+    assert len(trained) == 12 and all(len(ages) >= 4 for ages in trained)  # >= b(1 - sigma) fresh per step
