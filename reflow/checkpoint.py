@@ -78,7 +78,6 @@ class CheckpointManager:
             return None
         extra = [None]
         if trainer is not None:
-            trainer.init_optimizer_state()
             state = {"trainer": trainer.state_dict(), "extra": {"step": 0, "policy_version": 0, "prompts_drawn": 0}}
             dcp.load(state, checkpoint_id=self._path(step), process_group=self.group)
             trainer.load_state_dict(state["trainer"])

@@ -97,7 +97,7 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
     import torch
 
     from reflow.checkpoint import CheckpointManager
-    from reflow.distributed import build_trainer_group, build_trainer_mesh, init_distributed
+    from reflow.distributed import build_trainer_layouts, init_distributed
     from reflow.metrics import MetricsLogger
     from reflow.modes.base import Components
     from reflow.modes.rollouts import PromptTokenizer
@@ -131,8 +131,8 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
         else:
             # ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    mesh = build_trainer_mesh(placement)
-    trainer_group = build_trainer_group(placement)
+    layouts = build_trainer_layouts(world, placement.shard_degree, [placement.replicate_degree])
+    trainer_group = layouts[placement.replicate_degree].group
     log = MetricsLogger(
         cfg.job.dump_folder, rank == 0, cfg.training.steps, cfg.metrics.enable_tensorboard, cfg.metrics.enable_progress_bar
     )
@@ -148,7 +148,7 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
     # 4. trainer shard
     trainer = None
     if placement.is_trainer(rank):
-        trainer = PolicyTrainer(cfg, recipe, hf_dir, mesh, trainer_group, device)
+        trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, placement.replicate_degree, device)
     # 5. weight sync (every rank derives the same plan)
     from reflow.model.qwen3 import build_model_config
     from reflow.trainer.hf_io import build_adapter

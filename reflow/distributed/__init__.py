@@ -1,4 +1,4 @@
 from reflow.distributed.placement import Placement, build_placement
-from reflow.distributed.utils import build_trainer_group, build_trainer_mesh, device_type, init_distributed
+from reflow.distributed.utils import TrainerLayout, build_trainer_layouts, device_type, init_distributed
 
-__all__ = ["Placement", "build_placement", "build_trainer_group", "build_trainer_mesh", "device_type", "init_distributed"]
+__all__ = ["Placement", "TrainerLayout", "build_placement", "build_trainer_layouts", "device_type", "init_distributed"]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from reflow.distributed.placement import Placement
 
 logger = logging.getLogger("reflow")
 
@@ -46,14 +46,42 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def build_trainer_mesh(placement: Placement) -> DeviceMesh:
-    """The HSDP mesh (dp_replicate, dp_shard) over the trainer ranks; non-members get coordinate None."""
-    ranks = torch.tensor(placement.trainer_ranks, dtype=torch.int).view(placement.replicate_degree, placement.shard_degree)
-    return DeviceMesh(device_type(), ranks, mesh_dim_names=("dp_replicate", "dp_shard"))
+@dataclass
+class TrainerLayout:
+    """One trainer placement: the HSDP mesh (dp_replicate = replicas, dp_shard = shard_degree) over ranks
+    0 .. replicas * shard_degree - 1, and a process group over those ranks. Every rank holds the objects;
+    a non-member's mesh coordinate is None."""
+
+    replicas: int
+    shard_degree: int
+    mesh: DeviceMesh
+    group: object
+
+    @property
+    def num_ranks(self) -> int:
+        return self.replicas * self.shard_degree
+
+    @property
+    def name(self) -> str:
+        return f"T{self.replicas}x{self.shard_degree}"
+
+    def has(self, rank: int) -> bool:
+        return rank < self.num_ranks
 
 
-def build_trainer_group(placement: Placement):
-    """One process group over all trainer ranks, for global sums across data-parallel ranks."""
-    if placement.num_trainer_ranks == placement.world_size:
-        return dist.group.WORLD
-    return dist.new_group(placement.trainer_ranks)
+def build_trainer_layouts(world_size: int, shard_degree: int, replica_counts: list[int]) -> dict[int, TrainerLayout]:
+    """Meshes and groups of every listed replica count, built now: ``DeviceMesh`` and ``new_group`` are
+    collective over the world, so a placement change at runtime may only use what exists from startup.
+    Every rank calls this with the same arguments."""
+    layouts = {}
+    for replicas in sorted(set(replica_counts), reverse=True):
+        ranks = list(range(replicas * shard_degree))
+        if len(ranks) > world_size:
+            raise ValueError(f"{replicas} x {shard_degree} trainer ranks exceed the world size {world_size}")
+        mesh = DeviceMesh(
+            device_type(), torch.tensor(ranks, dtype=torch.int).view(replicas, shard_degree),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+        )
+        group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(ranks)
+        layouts[replicas] = TrainerLayout(replicas, shard_degree, mesh, group)
+    return layouts

@@ -2,13 +2,19 @@
 
 With a 2-D mesh (dp_replicate, dp_shard) ``fully_shard`` gives HSDP: parameters
 are sharded over dp_shard and replicated over dp_replicate.
+
+Gradients are reduced with a pure SUM, neither averaged over the data-parallel
+ranks nor pre-multiplied: the loss is divided by the global token count
+instead, so the gradient scale does not depend on how many ranks train, and a
+replica-count change does not change the arithmetic (gloo has no PREMUL_SUM,
+which a divide factor alone would select).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -16,4 +22,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
     return model

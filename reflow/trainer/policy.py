@@ -33,6 +33,9 @@ from reflow.config.job_config import JobConfig
 from reflow.model.qwen3 import build_model_config, build_on_meta, init_buffers
 from reflow.model.recipe import Recipe
 from reflow.trainer.batch import TrainBatch, index, zero_batch
+from reflow.distributed.buckets import broadcast_tensors
+from reflow.distributed.utils import TrainerLayout
+from reflow.trainer.elastic import adopt, carry_optimizer_state, local_shards, release, shard_tensors, zero_optimizer_state, zero_shards
 from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
 from reflow.trainer.parallelize import apply_fsdp
 
@@ -63,45 +66,133 @@ class StepStats:
 
 
 class PolicyTrainer:
-    def __init__(self, cfg: JobConfig, recipe: Recipe, hf_dir: str, mesh, group, device: torch.device):
+    """This rank's share of the trainer: an FSDP2 shard of the policy (and of the frozen reference), AdamW
+    over it, and the FSDP skeletons of every other placement this rank can join (``resize``).
+
+    ``layouts`` holds every trainer placement the run may use, by replica count, all built at startup;
+    ``replicas`` is the one the run starts on. A rank outside it starts without storage (``active`` False)."""
+
+    def __init__(
+        self, cfg: JobConfig, recipe: Recipe, hf_dir: str, layouts: dict[int, TrainerLayout], replicas: int,
+        device: torch.device,
+    ):
         self.cfg = cfg
-        self.mesh = mesh
-        self.group = group
         self.device = device
-        self.dp_size = dist.get_world_size(group)
+        self.rank = dist.get_rank()
         self.temperature = cfg.rollout.temperature
-        t = cfg.training
+        training = cfg.training
         self.loss_cfg = LossConfig(
-            clip_eps_low=t.clip_eps,
-            clip_eps_high=t.clip_eps_high if t.clip_eps_high > 0 else t.clip_eps,
-            is_cap=t.is_truncation,
-            kl_coef=t.kl_coef,
+            clip_eps_low=training.clip_eps,
+            clip_eps_high=training.clip_eps_high if training.clip_eps_high > 0 else training.clip_eps,
+            is_cap=training.is_truncation,
+            kl_coef=training.kl_coef,
         )
-        # 1. model config; model on meta
+        self.layouts = layouts
+        self.layout = layouts[replicas]
+        # 1. model config
         self.model_config = build_model_config(recipe, cfg.model.attention)
         self.adapter = build_adapter(self.model_config, hf_dir)
         self.hf_dir = hf_dir
-        # 2-3. FSDP2, materialize, load
-        self.model = self._build_sharded()
-        # 4. reference policy (frozen) for the KL penalty
-        self.ref_model = self._build_sharded() if t.kl_coef > 0 else None
-        if self.ref_model is not None:
-            self.ref_model.requires_grad_(False)
-        # 5. optimizer over the local shards
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, eps=1e-8
-        )
+        # 2. one FSDP skeleton (policy, and reference when the KL penalty is on) per placement this rank can
+        #    belong to, on meta: no storage, no communication
+        self.skeletons = {n: self._skeleton_pair(layout) for n, layout in layouts.items() if layout.has(self.rank)}
+        self.model: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self.num_updates = 0
+        # 3. materialize this placement's skeleton and load the checkpoint (trainer ranks at start)
+        if self.layout.has(self.rank):
+            self.model, self.ref_model = self.skeletons[replicas]
+            for module in (self.model, self.ref_model):
+                if module is not None:
+                    module.to_empty(device=device)
+                    with torch.no_grad():
+                        init_buffers(module, device)  # every parameter comes from the checkpoint
+                    load_hf_into(module, self.adapter, hf_dir, process_group=self.layout.group)
+            # 4. AdamW over the local shards, its state created now so a transfer or a checkpoint can fill it
+            self.optimizer = self._new_optimizer(self.model)
+            zero_optimizer_state(self.optimizer, self.model)
 
-    def _build_sharded(self) -> torch.nn.Module:
-        model = build_on_meta(self.model_config)
-        apply_fsdp(model, self.mesh)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            init_buffers(model, self.device)  # every parameter comes from the checkpoint below
-        load_hf_into(model, self.adapter, self.hf_dir, process_group=self.group)
-        model.train()
-        return model
+    def _skeleton_pair(self, layout: TrainerLayout) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        def skeleton(trainable: bool) -> torch.nn.Module:
+            module = apply_fsdp(build_on_meta(self.model_config), layout.mesh)
+            module.train() if trainable else module.requires_grad_(False)
+            return module
+
+        return skeleton(True), skeleton(False) if self.cfg.training.kl_coef > 0 else None
+
+    def _new_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        training = self.cfg.training
+        return torch.optim.AdamW(
+            model.parameters(), lr=training.lr, betas=tuple(training.betas), weight_decay=training.weight_decay, eps=1e-8
+        )
+
+    @property
+    def active(self) -> bool:
+        """Does this rank hold a trainer shard in the current placement?"""
+        return self.model is not None
+
+    @property
+    def group(self):
+        """The process group of the current placement's trainer ranks (global sums over data-parallel ranks)."""
+        return self.layout.group
+
+    @property
+    def mesh(self):
+        return self.layout.mesh
+
+    # ---- placement changes -----------------------------------------------------
+
+    def resize(self, replicas: int, bucket_bytes: int | None) -> dict:
+        """Move to the placement with ``replicas`` trainer replicas. Every rank of the world calls it, at the
+        same point. Staying ranks keep their shards (zero-copy re-homing), leaving ranks free theirs, joining
+        ranks receive shard s from replica 0's rank of shard s. Returns what it did: the direction, bytes
+        moved to joining ranks, the broadcasts and the names of shards FSDP had to copy (padded ones)."""
+        old, new = self.layout, self.layouts[replicas]
+        stays, leaves, joins = (
+            old.has(self.rank) and new.has(self.rank),
+            old.has(self.rank) and not new.has(self.rank),
+            new.has(self.rank) and not old.has(self.rank),
+        )
+        report = {
+            "from": old.name, "to": new.name, "direction": "trainer->rollout" if replicas < old.replicas else "rollout->trainer",
+            "copied_not_aliased": [], "bytes_freed": 0, "bytes_moved": 0, "broadcasts": 0,
+        }
+        model, reference = self.skeletons[replicas] if new.has(self.rank) else (None, None)
+        if stays:
+            report["copied_not_aliased"] = adopt(model, new.mesh, local_shards(self.model))
+            if reference is not None:
+                adopt(reference, new.mesh, local_shards(self.ref_model))
+            optimizer = self._new_optimizer(model)
+            carry_optimizer_state(optimizer, model, self.optimizer, self.model, new.mesh)
+        elif joins:
+            adopt(model, new.mesh, zero_shards(model, self.device))
+            if reference is not None:
+                adopt(reference, new.mesh, zero_shards(reference, self.device))
+            optimizer = self._new_optimizer(model)
+            zero_optimizer_state(optimizer, model)
+        elif leaves:
+            report["bytes_freed"] = release(shard_tensors(self.model, self.optimizer, self.ref_model))
+            model = reference = optimizer = None
+        else:
+            optimizer = None
+        for module in (model, reference):
+            if module is not None:
+                with torch.no_grad():
+                    init_buffers(module, self.device)
+        self.model, self.ref_model, self.optimizer, self.layout = model, reference, optimizer, new
+        if replicas > old.replicas and new.has(self.rank):
+            # grow: shard s's everything, from replica 0's rank of shard s (global rank s), over the new mesh's
+            # dp_replicate group of shard s; staying replicas receive what they already hold
+            updates = torch.tensor([self.num_updates], dtype=torch.long)  # the minibatch shuffles depend on it
+            tensors = shard_tensors(self.model, self.optimizer, self.ref_model) + [updates]
+            source = self.rank % new.shard_degree
+            report["broadcasts"] = broadcast_tensors(tensors, source, new.mesh.get_group("dp_replicate"), bucket_bytes)
+            self.num_updates = int(updates.item())
+            report["tensors"] = len(tensors)
+            if joins:
+                report["bytes_moved"] = sum(t.numel() * t.element_size() for t in tensors)
+        return report
 
     # ---- forward helpers -------------------------------------------------
 
@@ -115,107 +206,109 @@ class PolicyTrainer:
         logits = model(inputs, attention_masks=masks)  # (B, T-1, V); SDPA is causal without masks
         return token_logprobs(logits, tokens[:, 1:], self.temperature)
 
-    def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor | None, TrainBatch]]:
-        """(row indices, micro-batch) pairs, rows grouped by length and each micro-batch cut to its own
-        longest row, so a long-tail straggler pads only its neighbours. Padded with zero-weight rows
-        (indices None) so every rank runs the same number of forward/backward passes."""
-        mbs = self.cfg.training.micro_batch_size
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor, TrainBatch]]:
+        """(row indices, micro-batch) pairs of one batch: rows grouped by length and each micro-batch cut to
+        its own longest row, so a long-tail straggler pads only its neighbours."""
+        size = self.cfg.training.micro_batch_size
         lengths = batch.loss_mask.shape[1] - batch.loss_mask.flip(-1).argmax(-1)  # last target column + 1
         lengths = torch.where(batch.loss_mask.sum(-1) > 0, lengths, torch.ones_like(lengths))
         order = torch.argsort(lengths, stable=True)
-        local = []
-        for i in range(0, batch.size, mbs):
-            rows = order[i : i + mbs]
+        out = []
+        for i in range(0, batch.size, size):
+            rows = order[i : i + size]
             width = int(lengths[rows].max().item())  # targets kept; tokens need one more column
-            mb = index(batch, rows)
-            local.append((rows, _trim(mb, width)))
-        count = torch.tensor([len(local)], dtype=torch.long)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        while len(local) < int(count.item()):
-            local.append((None, zero_batch(batch)))
-        return local
+            out.append((rows, _trim(index(batch, rows), width)))
+        return out
+
+    def _padding(self, count: int, template: TrainBatch) -> list[TrainBatch]:
+        """Zero-weight micro-batches so every rank of the placement runs as many forward/backward passes
+        (FSDP's collectives) as the busiest one."""
+        most = torch.tensor([count], dtype=torch.long)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        return [zero_batch(template) for _ in range(int(most.item()) - count)]
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Log-probs of every target token under ``model`` (default: the policy). (B, T-1), 0 past a row's end."""
         model = model or self.model
         out = torch.zeros(batch.size, batch.tokens.shape[1] - 1)
-        for rows, mb in self._micro_batches(batch):
+        micro = self._micro_batches(batch)
+        for rows, mb in micro:
             lp = self._logprobs(model, mb.tokens.to(self.device)).cpu()
-            if rows is not None:
-                out[rows, : lp.shape[1]] = lp
+            out[rows, : lp.shape[1]] = lp
+        for mb in self._padding(len(micro), batch):
+            self._logprobs(model, mb.tokens.to(self.device))
         return out
 
     # ---- one trainer step --------------------------------------------------
 
-    def train_step(self, batch: TrainBatch) -> StepStats:
-        t = self.cfg.training
-        old_lp = self.compute_logprobs(batch)
-        ref_lp = self.compute_logprobs(batch, self.ref_model) if self.ref_model is not None else None
+    def train_step(self, batch: TrainBatch | list[TrainBatch]) -> StepStats:
+        """``ppo_epochs`` x ``num_minibatches`` optimizer updates on this rank's data.
+
+        A list holds the batches of the virtual data-parallel ranks this rank serves, in replica order; each
+        is micro-batched on its own and no micro-batch mixes two. With one micro-batch per virtual rank and
+        minibatch, and every placement's ranks serving the same virtual ranks in total, the gradient sums
+        associate alike in every placement, so the trainer's state is bitwise independent of the replica
+        count (tests/trainer/test_elastic.py)."""
+        training = self.cfg.training
+        segments = batch if isinstance(batch, list) else [batch]
+        old_lps = [self.compute_logprobs(seg) for seg in segments]
+        ref_lps = [self.compute_logprobs(seg, self.ref_model) if self.ref_model is not None else None for seg in segments]
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
         max_diff = torch.zeros(1, dtype=torch.float64)
         grad_norms = []
-        idx = torch.arange(batch.size)
-        for epoch in range(t.ppo_epochs):
-            if t.num_minibatches > 1:
-                g = torch.Generator().manual_seed(self.num_updates * 7919 + epoch)
-                idx = torch.randperm(batch.size, generator=g)
-            for chunk in torch.tensor_split(idx, t.num_minibatches):
-                stats = self._update(
-                    index(batch, chunk), old_lp[chunk], ref_lp[chunk] if ref_lp is not None else None
-                )
-                if epoch == t.ppo_epochs - 1:  # report the last pass
+        for epoch in range(training.ppo_epochs):
+            chunks = []
+            for seg in segments:
+                rows = torch.arange(seg.size)
+                if training.num_minibatches > 1:  # the same permutation for every virtual rank of a size
+                    generator = torch.Generator().manual_seed(self.num_updates * 7919 + epoch)
+                    rows = torch.randperm(seg.size, generator=generator)
+                chunks.append(torch.tensor_split(rows, training.num_minibatches))
+            for minibatch in range(training.num_minibatches):
+                parts = [
+                    (index(seg, rows[minibatch]), old[rows[minibatch]], ref[rows[minibatch]] if ref is not None else None)
+                    for seg, rows, old, ref in zip(segments, chunks, old_lps, ref_lps)
+                ]
+                stats = self._update(parts)
+                if epoch == training.ppo_epochs - 1:  # report the last pass
                     grad_norms.append(stats.pop("grad_norm"))
                     max_diff[0] = max(max_diff[0].item(), stats.pop("max_diff"))
                     totals += torch.tensor([stats[k] for k in _STAT_KEYS], dtype=torch.float64)
-        totals_t = totals
-        dist.all_reduce(totals_t, group=self.group)
+        dist.all_reduce(totals, group=self.group)
         dist.all_reduce(max_diff, op=dist.ReduceOp.MAX, group=self.group)
-        tokens = max(totals_t[1].item(), 1.0)
+        tokens = max(totals[1].item(), 1.0)
         return StepStats(
-            loss=totals_t[0].item() / t.num_minibatches,
-            num_tokens=int(totals_t[1].item()),
-            num_samples=int(totals_t[6].item()),
+            loss=totals[0].item() / training.num_minibatches,
+            num_tokens=int(totals[1].item()),
+            num_samples=int(totals[6].item()),
             grad_norm=float(sum(grad_norms) / max(len(grad_norms), 1)),
-            clip_fraction=totals_t[2].item() / tokens,
-            is_weight_mean=totals_t[3].item() / tokens,
-            kl_ref=totals_t[4].item() / tokens,
-            behavior_kl=totals_t[5].item() / tokens,
+            clip_fraction=totals[2].item() / tokens,
+            is_weight_mean=totals[3].item() / tokens,
+            kl_ref=totals[4].item() / tokens,
+            behavior_kl=totals[5].item() / tokens,
             max_abs_logprob_diff=max_diff.item(),
         )
 
-    def _update(self, batch: TrainBatch, old_lp: torch.Tensor, ref_lp: torch.Tensor | None) -> dict[str, float]:
-        """One optimizer update on a minibatch (gradient accumulation over micro-batches)."""
-        den = loss_denominator(batch.loss_mask, batch.weights).to(torch.float64).reshape(1)
+    def _update(self, parts: list[tuple[TrainBatch, torch.Tensor, torch.Tensor | None]]) -> dict[str, float]:
+        """One optimizer update on a minibatch: (batch, old log-probs, reference log-probs) per virtual rank,
+        gradients accumulated over their micro-batches."""
+        local_den = sum(loss_denominator(batch.loss_mask, batch.weights).to(torch.float64) for batch, _, _ in parts)
+        den = torch.as_tensor(local_den, dtype=torch.float64).reshape(1)
         dist.all_reduce(den, group=self.group)
         den_v = max(den.item(), 1e-8)
         stats = dict.fromkeys(_STAT_KEYS, 0.0)
         stats["max_diff"] = 0.0
-        for rows, mb in self._micro_batches(batch):
-            mb = mb.to(self.device)
-            new_lp = self._logprobs(self.model, mb.tokens)
-            width = new_lp.shape[1]
-            if rows is not None:
-                mb_old = old_lp[rows, :width].to(self.device)
-                mb_ref = ref_lp[rows, :width].to(self.device) if ref_lp is not None else None
-            else:
-                # padding rows: any finite values do, their weight and mask are zero
-                mb_old = new_lp.detach()
-                mb_ref = new_lp.detach() if ref_lp is not None else None
-            terms = token_loss_terms(new_lp, mb_old, mb.behavior_logprobs, mb.advantages, self.loss_cfg, mb_ref)
-            loss_sum = weighted_token_sum(terms["loss"], mb.loss_mask, mb.weights)
-            # FSDP averages gradients over the dp ranks; scale so the result is the global weighted token mean
-            (loss_sum * (self.dp_size / den_v)).backward()
-            m = mb.loss_mask
-            diff = (mb_old - mb.behavior_logprobs) * m
-            stats["loss"] += loss_sum.item() / den_v
-            stats["tokens"] += m.sum().item()
-            stats["clipped"] += (terms["clipped"] * m).sum().item()
-            stats["is_weight"] += (terms["is_weight"] * m).sum().item()
-            stats["kl"] += (terms["kl"] * m).sum().item() if "kl" in terms else 0.0
-            stats["behavior_kl"] += diff.sum().item()
-            stats["max_diff"] = max(stats["max_diff"], diff.abs().max().item())
-            stats["samples"] += (m.sum(-1) > 0).sum().item()
+        passes = 0
+        for batch, old_lp, ref_lp in parts:
+            for rows, mb in self._micro_batches(batch):
+                width = mb.loss_mask.shape[1]
+                mb_old = old_lp[rows, :width]
+                mb_ref = ref_lp[rows, :width] if ref_lp is not None else None
+                self._backward(mb, mb_old, mb_ref, den_v, stats)
+                passes += 1
+        for mb in self._padding(passes, parts[0][0]):
+            self._backward(mb, None, None, den_v, stats)
         max_norm = self.cfg.training.max_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         if max_norm > 0:
@@ -229,6 +322,31 @@ class PolicyTrainer:
         self.num_updates += 1
         stats["grad_norm"] = float(norm)
         return stats
+
+    def _backward(self, mb: TrainBatch, old_lp, ref_lp, den: float, stats: dict) -> None:
+        """Forward/backward of one micro-batch; ``old_lp`` None marks a padding micro-batch (zero weights)."""
+        mb = mb.to(self.device)
+        new_lp = self._logprobs(self.model, mb.tokens)
+        if old_lp is None:  # padding rows: any finite values do, their weight and mask are zero
+            old_lp = new_lp.detach()
+            ref_lp = new_lp.detach() if self.ref_model is not None else None
+        old_lp = old_lp.to(self.device)
+        ref_lp = ref_lp.to(self.device) if ref_lp is not None else None
+        terms = token_loss_terms(new_lp, old_lp, mb.behavior_logprobs, mb.advantages, self.loss_cfg, ref_lp)
+        loss_sum = weighted_token_sum(terms["loss"], mb.loss_mask, mb.weights)
+        # FSDP sums gradients over every data-parallel rank (pure SUM, no averaging): dividing by the global
+        # weighted token count gives the global weighted token mean, whatever the placement
+        (loss_sum / den).backward()
+        mask = mb.loss_mask
+        diff = (old_lp - mb.behavior_logprobs) * mask
+        stats["loss"] += loss_sum.item() / den
+        stats["tokens"] += mask.sum().item()
+        stats["clipped"] += (terms["clipped"] * mask).sum().item()
+        stats["is_weight"] += (terms["is_weight"] * mask).sum().item()
+        stats["kl"] += (terms["kl"] * mask).sum().item() if "kl" in terms else 0.0
+        stats["behavior_kl"] += diff.sum().item()
+        stats["max_diff"] = max(stats["max_diff"], diff.abs().max().item())
+        stats["samples"] += (mask.sum(-1) > 0).sum().item()
 
     # ---- weights out ---------------------------------------------------------
 
@@ -244,18 +362,6 @@ class PolicyTrainer:
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=opts),
             "num_updates": self.num_updates,
         }
-
-    def init_optimizer_state(self) -> None:
-        """Create AdamW's moment buffers (a step on zero gradients with lr 0), so a checkpoint can fill them."""
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = 0.0
-        for p in self.model.parameters():
-            p.grad = torch.zeros_like(p)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for g, lr in zip(self.optimizer.param_groups, lrs):
-            g["lr"] = lr
 
     def load_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, state["model"])

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from reflow.config.job_config import JobConfig
-from reflow.distributed import build_placement, build_trainer_group, build_trainer_mesh, init_distributed
+from reflow.distributed import build_placement, build_trainer_layouts, init_distributed
 from reflow.model.qwen3 import build_model_config
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.modes.rollouts import PromptTokenizer, to_batch, Sample
@@ -35,10 +35,9 @@ cfg.weight_sync.bucket_size_mb = 0.5  # several buckets for a 3 MB model
 recipe = load_recipe("tiny")
 hf_dir = resolve_path(recipe.hf_checkpoint)
 placement = build_placement(world, 1, -1, 1)
-mesh = build_trainer_mesh(placement)
-group = build_trainer_group(placement)
+layouts = build_trainer_layouts(world, placement.shard_degree, [placement.replicate_degree])
 engine = RolloutEngine(cfg, recipe, hf_dir, seed=rank)
-trainer = PolicyTrainer(cfg, recipe, hf_dir, mesh, group, device) if placement.is_trainer(rank) else None
+trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device) if placement.is_trainer(rank) else None
 model_cfg = build_model_config(recipe)
 plan = build_sync_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.weight_sync.bucket_size_mb, torch.float32)
 sync = WeightSync(placement, plan, rank, device)
