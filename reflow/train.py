@@ -23,6 +23,7 @@ import time
 
 from reflow.config import ConfigError, ConfigManager, JobConfig, format_config
 from reflow.config.validate import mode_warnings, validate, validate_recipe, validate_world
+from reflow.distributed.placement import feasible_placements
 from reflow.model.recipe import load_recipe, resolve_path
 
 logger = logging.getLogger("reflow")
@@ -55,6 +56,7 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
         json.dumps(
             {
                 "placement": placement.describe(),
+                "feasible_placements": [p.name for p in feasible_placements(world, placement.shard_degree, placement.colocated)],
                 "recipe": recipe.path,
                 "num_params": n,
                 "trainer_param_bytes_per_rank": 4 * n // placement.shard_degree,
@@ -137,6 +139,8 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
         cfg.job.dump_folder, rank == 0, cfg.training.steps, cfg.metrics.enable_tensorboard, cfg.metrics.enable_progress_bar
     )
     log.info(f"{placement.describe()}; mode {cfg.training.mode}; model {recipe.name} from {hf_dir}")
+    feasible = feasible_placements(world, placement.shard_degree, placement.colocated)
+    log.info(f"feasible placements with trainer shard degree {placement.shard_degree}: {', '.join(p.name for p in feasible)}")
     if pinned is not None:
         log.info(f"CPU affinity: rank {rank} pinned to core {pinned}, 1 compute thread")
     # 3. the embedded vLLM engine (every rank, same point)

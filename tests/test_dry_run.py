@@ -23,6 +23,7 @@ def test_dry_run(path):
     summary = json.loads(proc.stdout[proc.stdout.rindex("{\n  \"placement\""):])
     assert summary["num_params"] > 0
     assert "trainer HSDP" in summary["placement"]
+    assert summary["feasible_placements"] and all(name.startswith("T") for name in summary["feasible_placements"])
 
 
 def test_dry_run_reports_config_error(tmp_path):

@@ -1,6 +1,12 @@
 import sys
 
-from reflow.bench.modes import main
+from reflow.bench import modes, resize
+
+BENCHMARKS = {"modes": modes.main, "resize": resize.main}
 
 if __name__ == "__main__":
-    sys.exit(main())
+    what = sys.argv[1] if len(sys.argv) > 1 else ""
+    if what not in BENCHMARKS:
+        print(f"usage: python -m reflow.bench {{{','.join(BENCHMARKS)}}} [options]   (--help after the name)", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(BENCHMARKS[what]())

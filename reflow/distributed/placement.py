@@ -44,6 +44,11 @@ class Placement:
     def is_rollout(self, rank: int) -> bool:
         return self.colocated or rank >= self.num_trainer_ranks
 
+    @property
+    def name(self) -> str:
+        """Short form: trainer replicas x shard degree, plus rollout ranks ("T2x1+R2")."""
+        return f"T{self.replicate_degree}x{self.shard_degree}+R{self.num_rollout_ranks}"
+
     def describe(self) -> str:
         roll = "colocated" if self.colocated else f"{self.num_rollout_ranks} rollout ranks {self.rollout_ranks}"
         return (
@@ -80,3 +85,16 @@ def build_placement(world_size: int, replicate: int, shard: int, num_rollout: in
             f"but torchrun started {world_size} ranks"
         )
     return Placement(world_size, replicate, shard, num_rollout)
+
+
+def feasible_placements(world_size: int, shard_degree: int, colocated: bool) -> list[Placement]:
+    """Every placement of ``world_size`` ranks with this trainer shard degree: n replicas of the shard
+    group and the remaining ranks generating (at least one in the decoupled modes; none when colocated)."""
+    if colocated:
+        if world_size % shard_degree:
+            return []
+        return [Placement(world_size, world_size // shard_degree, shard_degree, 0)]
+    return [
+        Placement(world_size, replicas, shard_degree, world_size - replicas * shard_degree)
+        for replicas in range(1, (world_size - 1) // shard_degree + 1)
+    ]

@@ -28,3 +28,13 @@ def test_hsdp_with_rollout_ranks():
 def test_errors(args, key):
     with pytest.raises(ValueError, match=key):
         build_placement(*args)
+
+
+def test_feasible_placements():
+    from reflow.distributed.placement import feasible_placements
+
+    assert [p.name for p in feasible_placements(4, 1, colocated=False)] == ["T1x1+R3", "T2x1+R2", "T3x1+R1"]
+    assert [p.name for p in feasible_placements(7, 2, colocated=False)] == ["T1x2+R5", "T2x2+R3", "T3x2+R1"]
+    assert [p.name for p in feasible_placements(4, 2, colocated=True)] == ["T2x2+R0"]
+    assert feasible_placements(3, 2, colocated=True) == []
+    assert all(p.num_trainer_ranks + p.num_rollout_ranks == 7 for p in feasible_placements(7, 2, colocated=False))
