@@ -90,7 +90,7 @@ def worker(out_path: str, deep_layers: int, scratch: str) -> None:
     for replicas in (most - 1, most):
         dist.barrier()
         t0 = time.perf_counter()
-        moved = trainer.resize(replicas, bucket_bytes)
+        moved = trainer.resize(replicas, bucket_bytes=bucket_bytes)
         seconds = slowest(t0)
         report["transitions"].append(
             {
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--deep-layers", type=int, default=24)
     ap.add_argument("--out", default="outputs/bench/resize.json")
-    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # set by the launcher: this rank's output file
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # set by the launcher: where rank 0 writes
     args = ap.parse_args(argv)
     if args.world_size < 4 or args.world_size % 2:
         ap.error("--world-size must be an even number >= 4 (shard degree 2, at least two replicas)")

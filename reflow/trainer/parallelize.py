@@ -6,8 +6,9 @@ are sharded over dp_shard and replicated over dp_replicate.
 Gradients are reduced with a pure SUM, neither averaged over the data-parallel
 ranks nor pre-multiplied: the loss is divided by the global token count
 instead, so the gradient scale does not depend on how many ranks train, and a
-replica-count change does not change the arithmetic (gloo has no PREMUL_SUM,
-which a divide factor alone would select).
+change between 1 and 2 replicas does not change the arithmetic (with more, the
+all-reduce associates its sum differently: float rounding apart). Gloo has no
+PREMUL_SUM, which a divide factor alone would select.
 """
 
 from __future__ import annotations

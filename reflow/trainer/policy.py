@@ -143,12 +143,23 @@ class PolicyTrainer:
 
     # ---- placement changes -----------------------------------------------------
 
-    def resize(self, replicas: int, bucket_bytes: int | None) -> dict:
-        """Move to the placement with ``replicas`` trainer replicas. Every rank of the world calls it, at the
-        same point. Staying ranks keep their shards (zero-copy re-homing), leaving ranks free theirs, joining
-        ranks receive shard s from replica 0's rank of shard s. Returns what it did: the direction, bytes
-        moved to joining ranks, the broadcasts and the names of shards FSDP had to copy (padded ones)."""
+    def resize(self, replicas: int, *, bucket_bytes: int | None) -> dict:
+        """Move to the trainer layout with ``replicas`` replicas. Every rank of the old and the new layout
+        calls it at the same point (others may: it does nothing there). Staying ranks keep their shards
+        (zero-copy re-homing), leaving ranks free theirs, joining ranks receive shard s and the optimizer's
+        hyper-parameters from replica 0's rank of shard s (``bucket_bytes`` None: one broadcast per tensor).
+        Returns what it did: the direction, the bytes this rank received as a joiner (shards, step counters
+        and the update counter) or freed as a leaver, the broadcasts, and the names of shards FSDP had to
+        copy rather than adopt (padded ones)."""
+        if replicas not in self.layouts:
+            raise ValueError(f"no trainer layout with {replicas} replicas was built at startup (have {sorted(self.layouts)})")
+        if self.model_config.enable_weight_tying:
+            # load_state_dict(assign=True) would give the two tied names two parameters; untested, so refused
+            raise NotImplementedError("resizing a model with tied embeddings is not supported yet")
         old, new = self.layout, self.layouts[replicas]
+        if replicas == old.replicas:
+            return {"from": old.name, "to": new.name, "direction": "none", "copied_not_aliased": [], "bytes_freed": 0,
+                    "bytes_moved": 0, "broadcasts": 0}
         stays, leaves, joins = (
             old.has(self.rank) and new.has(self.rank),
             old.has(self.rank) and not new.has(self.rank),
@@ -174,6 +185,8 @@ class PolicyTrainer:
         elif leaves:
             report["bytes_freed"] = release(shard_tensors(self.model, self.optimizer, self.ref_model))
             model = reference = optimizer = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the freed bytes go back to the device, for vLLM to take
         else:
             optimizer = None
         for module in (model, reference):
@@ -187,8 +200,14 @@ class PolicyTrainer:
             updates = torch.tensor([self.num_updates], dtype=torch.long)  # the minibatch shuffles depend on it
             tensors = shard_tensors(self.model, self.optimizer, self.ref_model) + [updates]
             source = self.rank % new.shard_degree
-            report["broadcasts"] = broadcast_tensors(tensors, source, new.mesh.get_group("dp_replicate"), bucket_bytes)
+            group = new.mesh.get_group("dp_replicate")
+            report["broadcasts"] = broadcast_tensors(tensors, source, group, bucket_bytes)
             self.num_updates = int(updates.item())
+            # lr, betas, weight decay as the source has them (a resumed checkpoint may have changed them)
+            settings = [[{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]]
+            dist.broadcast_object_list(settings, src=source, group=group)
+            for param_group, setting in zip(self.optimizer.param_groups, settings[0]):
+                param_group.update(setting)
             report["tensors"] = len(tensors)
             if joins:
                 report["bytes_moved"] = sum(t.numel() * t.element_size() for t in tensors)
@@ -230,15 +249,24 @@ class PolicyTrainer:
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Log-probs of every target token under ``model`` (default: the policy). (B, T-1), 0 past a row's end."""
+        return self._segment_logprobs([batch], model)[0]
+
+    @torch.no_grad()
+    def _segment_logprobs(self, segments: list[TrainBatch], model: torch.nn.Module | None = None) -> list[torch.Tensor]:
+        """``compute_logprobs`` of several batches, padded once over all of them: ranks of a placement may
+        serve different numbers of virtual ranks, and must still run as many forwards (FSDP all-gathers)."""
         model = model or self.model
-        out = torch.zeros(batch.size, batch.tokens.shape[1] - 1)
-        micro = self._micro_batches(batch)
-        for rows, mb in micro:
-            lp = self._logprobs(model, mb.tokens.to(self.device)).cpu()
-            out[rows, : lp.shape[1]] = lp
-        for mb in self._padding(len(micro), batch):
+        outs, passes = [], 0
+        for batch in segments:
+            out = torch.zeros(batch.size, batch.tokens.shape[1] - 1)
+            for rows, mb in self._micro_batches(batch):
+                lp = self._logprobs(model, mb.tokens.to(self.device)).cpu()
+                out[rows, : lp.shape[1]] = lp
+                passes += 1
+            outs.append(out)
+        for mb in self._padding(passes, segments[0]):
             self._logprobs(model, mb.tokens.to(self.device))
-        return out
+        return outs
 
     # ---- one trainer step --------------------------------------------------
 
@@ -246,14 +274,18 @@ class PolicyTrainer:
         """``ppo_epochs`` x ``num_minibatches`` optimizer updates on this rank's data.
 
         A list holds the batches of the virtual data-parallel ranks this rank serves, in replica order; each
-        is micro-batched on its own and no micro-batch mixes two. With one micro-batch per virtual rank and
-        minibatch, and every placement's ranks serving the same virtual ranks in total, the gradient sums
-        associate alike in every placement, so the trainer's state is bitwise independent of the replica
-        count (tests/trainer/test_elastic.py)."""
+        is micro-batched on its own and no micro-batch mixes two. When the caller cuts each step's global
+        batch into the virtual ranks of the largest placement, each fits one micro-batch per minibatch, the
+        loss weights make the token denominator exact in float64, and the replica count changes between 1
+        and 2, the gradient sums associate alike in both placements and the trainer's state is bitwise
+        independent of the placement (tests/trainer/test_elastic.py). Otherwise (several micro-batches,
+        3 or more replicas, whose all-reduce associates differently) it agrees to within float rounding."""
         training = self.cfg.training
         segments = batch if isinstance(batch, list) else [batch]
-        old_lps = [self.compute_logprobs(seg) for seg in segments]
-        ref_lps = [self.compute_logprobs(seg, self.ref_model) if self.ref_model is not None else None for seg in segments]
+        if not segments:
+            raise ValueError("train_step needs at least one batch")
+        old_lps = self._segment_logprobs(segments)
+        ref_lps = self._segment_logprobs(segments, self.ref_model) if self.ref_model is not None else [None] * len(segments)
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
         max_diff = torch.zeros(1, dtype=torch.float64)
         grad_norms = []

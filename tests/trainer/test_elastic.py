@@ -16,8 +16,15 @@ def test_resize_is_bitwise_equal_to_a_fixed_placement(tmp_path):
     assert rep["grow_equal_final"][0], rep["grow_equal_final"]
     # two micro-batches per virtual rank associate the gradient sums differently: only ulps apart
     assert rep["fine_vs_fixed"][1] < 1e-5, rep["fine_vs_fixed"]
-    shrink, grow = rep["shrink_transitions"], rep["grow_transitions"]
+    # who holds a shard after each phase (the comparisons above skip ranks without one)
+    phases = lambda events: [e["active_ranks"] for e in events if "active_ranks" in e]  # noqa: E731
+    moves = lambda events: [e for e in events if "direction" in e]  # noqa: E731
+    assert phases(rep["shrink_transitions"]) == [[0, 1, 2, 3], [0, 1], [0, 1, 2, 3]]
+    assert phases(rep["grow_transitions"]) == [[0, 1], [0, 1], [0, 1, 2, 3]]
+    shrink, grow = moves(rep["shrink_transitions"]), moves(rep["grow_transitions"])
     assert [t["direction"] for t in shrink] == ["trainer->rollout", "rollout->trainer"]
-    assert shrink[0]["bytes_moved"] == 0 and shrink[1]["bytes_moved"] > 0
+    assert shrink[0]["bytes_moved"] == 0 and shrink[0]["bytes_freed"] > 0  # leaving ranks free their shards
+    assert shrink[1]["bytes_moved"] > 0
     assert grow[0]["bytes_moved"] == shrink[1]["bytes_moved"]  # both fill 2 joining ranks with half a replica each
+    assert all(t["copied_not_aliased"] == 0 for t in shrink + grow)  # staying ranks adopted their shards, no copy
     assert 3 * shrink[1]["broadcasts"] < shrink[1]["tensors"]  # bucketized: a few flat broadcasts, not one per tensor

@@ -81,13 +81,22 @@ def run(schedule: list[tuple[int, int]], micro_batch_size: int = 2):
             report = trainer.resize(replicas, bucket_bytes=int(0.25 * 2**20))
             report["seconds"] = slowest(time_now() - t0)
             report["bytes_moved"] = total(report["bytes_moved"])
+            report["bytes_freed"] = total(report["bytes_freed"])
+            report["copied_not_aliased"] = total(len(report["copied_not_aliased"]))
             transitions.append(report)
         for _ in range(steps):
             if trainer.active:
                 trainer.train_step(mine(trainer, step))
             step += 1
         snapshots.append([t.clone() for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)] if trainer.active else None)
+        transitions.append({"active_ranks": active_ranks(trainer.active)})
     return initial, snapshots, transitions
+
+
+def active_ranks(active: bool) -> list[int]:
+    flags = [None] * world
+    dist.all_gather_object(flags, active)
+    return [r for r, flag in enumerate(flags) if flag]
 
 
 def time_now() -> float:
