@@ -102,12 +102,14 @@ def test_async_overlaps_generation_with_training_within_delta(tmp_path):
     assert_no_sample_lost_or_duplicated(rows, ledgers)
 
 
-def test_reflow_three_ranks_no_sample_lost_or_duplicated(tmp_path):
-    """2 trainer shards + 1 rollout rank: every sample sent arrives at exactly one shard, once; each batch
-    holds >= b(1 - sigma) fresh samples, at most b sigma replayed ones, none staler than delta."""
+def test_reflow_two_replicas_two_rollout_ranks_no_sample_lost_or_duplicated(tmp_path):
+    """4 ranks: 2 trainer replicas (HSDP 2x1, a buffer shard each) fed by 2 rollout ranks, 2 minibatch updates
+    per step. Every sample sent arrives at exactly one shard, once; each batch holds >= b(1 - sigma) fresh
+    samples, at most b sigma replayed ones, none staler than delta; every rollout rank feeds every shard."""
     rows, ledgers = _run(
-        tmp_path, 3, "reflow", 1,
-        ["--training.steps=6", "--replay.sigma=0.5", "--replay.delta=3", "--weight_sync.interval=2"],
+        tmp_path, 4, "reflow", 2,
+        ["--training.steps=6", "--replay.sigma=0.5", "--replay.delta=3", "--weight_sync.interval=2",
+         "--placement.trainer_replicate_degree=2", "--training.num_minibatches=2"],
     )
     assert [r["step"] for r in rows] == list(range(1, 7))
     for r in rows:
@@ -119,6 +121,8 @@ def test_reflow_three_ranks_no_sample_lost_or_duplicated(tmp_path):
     trainers = [led for led in ledgers if led["trainer"]]
     assert len(trainers) == 2 and all(len(t["received"]) > 0 for t in trainers)  # both shards fed
     assert all(c["staleness"] <= 3 for t in trainers for c in t["consumed"])
+    rollouts = [led for led in ledgers if not led["trainer"]]
+    assert all({e["to"] for e in led["sent"]} == {0, 1} for led in rollouts)  # each rollout rank feeds both shards
     assert_no_sample_lost_or_duplicated(rows, ledgers)
 
 
