@@ -94,8 +94,8 @@ def worker(out_path: str, deep_layers: int, scratch: str) -> None:
         seconds = slowest(t0)
         report["transitions"].append(
             {
-                "direction": moved["direction"], "from": moved["from"], "to": moved["to"], "seconds": seconds,
-                "bytes_moved": summed(moved["bytes_moved"]), "broadcasts": moved["broadcasts"],
+                "direction": moved.direction, "from": moved.source, "to": moved.target, "seconds": seconds,
+                "bytes_moved": summed(moved.bytes_moved), "broadcasts": moved.broadcasts,
             }
         )
 

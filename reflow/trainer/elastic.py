@@ -87,7 +87,9 @@ def zero_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module) -> 
     """AdamW state as its lazy init makes it (step 0, zero moments), for a load or a transfer to fill."""
     for param in model.parameters():
         opt.state[param] = {
-            "step": torch.tensor(0.0, dtype=torch.float32),  # AdamW keeps step on the CPU unless capturable
+            # as AdamW's own lazy init: step on the CPU (the default, neither fused nor capturable, which keep it
+            # on the device), in the default scalar dtype
+            "step": torch.tensor(0.0, dtype=torch.float32),
             "exp_avg": torch.zeros_like(param),
             "exp_avg_sq": torch.zeros_like(param),
         }

@@ -15,7 +15,7 @@ Every trainer rank must call the collective methods together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,26 @@ class StepStats:
     behavior_kl: float
     """Mean of (logp_old - logp_behavior) over tokens: how far vLLM's sampling distribution is from the trainer's."""
     max_abs_logprob_diff: float
+
+
+@dataclass
+class ResizeReport:
+    """What one rank did in ``PolicyTrainer.resize``."""
+
+    source: str
+    """The trainer layout before ("T2x2")."""
+    target: str
+    direction: str = "none"
+    """'trainer->rollout' (replicas leave), 'rollout->trainer' (replicas join) or 'none'."""
+    bytes_moved: int = 0
+    """Received as a joining rank: shards, AdamW step counters and the update counter."""
+    bytes_freed: int = 0
+    """Freed as a leaving rank."""
+    broadcasts: int = 0
+    tensors: int = 0
+    """Tensors in the transfer (when replicas joined)."""
+    copied_not_aliased: list[str] = field(default_factory=list)
+    """Shards FSDP had to copy rather than adopt (a dim 0 that does not divide by the shard degree)."""
 
 
 class PolicyTrainer:
@@ -116,7 +136,10 @@ class PolicyTrainer:
     def _skeleton_pair(self, layout: TrainerLayout) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         def skeleton(trainable: bool) -> torch.nn.Module:
             module = apply_fsdp(build_on_meta(self.model_config), layout.mesh)
-            module.train() if trainable else module.requires_grad_(False)
+            if trainable:
+                module.train()
+            else:
+                module.requires_grad_(False)  # the frozen reference
             return module
 
         return skeleton(True), skeleton(False) if self.cfg.training.kl_coef > 0 else None
@@ -143,35 +166,30 @@ class PolicyTrainer:
 
     # ---- placement changes -----------------------------------------------------
 
-    def resize(self, replicas: int, *, bucket_bytes: int | None) -> dict:
+    def resize(self, replicas: int, *, bucket_bytes: int | None) -> "ResizeReport":
         """Move to the trainer layout with ``replicas`` replicas. Every rank of the old and the new layout
         calls it at the same point (others may: it does nothing there). Staying ranks keep their shards
         (zero-copy re-homing), leaving ranks free theirs, joining ranks receive shard s and the optimizer's
         hyper-parameters from replica 0's rank of shard s (``bucket_bytes`` None: one broadcast per tensor).
-        Returns what it did: the direction, the bytes this rank received as a joiner (shards, step counters
-        and the update counter) or freed as a leaver, the broadcasts, and the names of shards FSDP had to
-        copy rather than adopt (padded ones)."""
+        Returns what this rank did (``ResizeReport``)."""
         if replicas not in self.layouts:
             raise ValueError(f"no trainer layout with {replicas} replicas was built at startup (have {sorted(self.layouts)})")
         if self.model_config.enable_weight_tying:
             # load_state_dict(assign=True) would give the two tied names two parameters; untested, so refused
             raise NotImplementedError("resizing a model with tied embeddings is not supported yet")
         old, new = self.layout, self.layouts[replicas]
+        report = ResizeReport(source=old.name, target=new.name)
         if replicas == old.replicas:
-            return {"from": old.name, "to": new.name, "direction": "none", "copied_not_aliased": [], "bytes_freed": 0,
-                    "bytes_moved": 0, "broadcasts": 0}
+            return report
         stays, leaves, joins = (
             old.has(self.rank) and new.has(self.rank),
             old.has(self.rank) and not new.has(self.rank),
             new.has(self.rank) and not old.has(self.rank),
         )
-        report = {
-            "from": old.name, "to": new.name, "direction": "trainer->rollout" if replicas < old.replicas else "rollout->trainer",
-            "copied_not_aliased": [], "bytes_freed": 0, "bytes_moved": 0, "broadcasts": 0,
-        }
+        report.direction = "trainer->rollout" if replicas < old.replicas else "rollout->trainer"
         model, reference = self.skeletons[replicas] if new.has(self.rank) else (None, None)
         if stays:
-            report["copied_not_aliased"] = adopt(model, new.mesh, local_shards(self.model))
+            report.copied_not_aliased = adopt(model, new.mesh, local_shards(self.model))
             if reference is not None:
                 adopt(reference, new.mesh, local_shards(self.ref_model))
             optimizer = self._new_optimizer(model)
@@ -183,7 +201,7 @@ class PolicyTrainer:
             optimizer = self._new_optimizer(model)
             zero_optimizer_state(optimizer, model)
         elif leaves:
-            report["bytes_freed"] = release(shard_tensors(self.model, self.optimizer, self.ref_model))
+            report.bytes_freed = release(shard_tensors(self.model, self.optimizer, self.ref_model))
             model = reference = optimizer = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the freed bytes go back to the device, for vLLM to take
@@ -201,16 +219,16 @@ class PolicyTrainer:
             tensors = shard_tensors(self.model, self.optimizer, self.ref_model) + [updates]
             source = self.rank % new.shard_degree
             group = new.mesh.get_group("dp_replicate")
-            report["broadcasts"] = broadcast_tensors(tensors, source, group, bucket_bytes)
+            report.broadcasts = broadcast_tensors(tensors, source, group, bucket_bytes)
             self.num_updates = int(updates.item())
             # lr, betas, weight decay as the source has them (a resumed checkpoint may have changed them)
             settings = [[{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]]
             dist.broadcast_object_list(settings, src=source, group=group)
             for param_group, setting in zip(self.optimizer.param_groups, settings[0]):
                 param_group.update(setting)
-            report["tensors"] = len(tensors)
+            report.tensors = len(tensors)
             if joins:
-                report["bytes_moved"] = sum(t.numel() * t.element_size() for t in tensors)
+                report.bytes_moved = sum(t.numel() * t.element_size() for t in tensors)
         return report
 
     # ---- forward helpers -------------------------------------------------

@@ -13,6 +13,7 @@ ranks r, r + n, ... of shard s, in replica order. Runs (6 steps each):
 The KL penalty is on (the frozen reference moves too) and each step makes two minibatch updates.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -78,7 +79,7 @@ def run(schedule: list[tuple[int, int]], micro_batch_size: int = 2):
         if replicas != trainer.layout.replicas:
             dist.barrier()
             t0 = time_now()
-            report = trainer.resize(replicas, bucket_bytes=int(0.25 * 2**20))
+            report = dataclasses.asdict(trainer.resize(replicas, bucket_bytes=int(0.25 * 2**20)))
             report["seconds"] = slowest(time_now() - t0)
             report["bytes_moved"] = total(report["bytes_moved"])
             report["bytes_freed"] = total(report["bytes_freed"])
