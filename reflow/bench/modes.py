@@ -193,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         best = max(others, key=lambda m: result["modes"][m]["tokens_per_s"])
         result["reflow_speedup_vs_best_other"] = result["modes"]["reflow"]["tokens_per_s"] / max(result["modes"][best]["tokens_per_s"], 1e-9)
         result["best_other_mode"] = best
+        best_reward = max(others, key=lambda m: result["modes"][m]["eval_reward_at_equal_time"])
+        result["best_other_mode_by_eval_reward"] = best_reward
+        result["reflow_eval_reward_minus_best_other"] = (
+            result["modes"]["reflow"]["eval_reward_at_equal_time"] - result["modes"][best_reward]["eval_reward_at_equal_time"]
+        )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(format_table(result))
@@ -216,4 +221,8 @@ def format_table(result: dict) -> str:
         )
     if "reflow_speedup_vs_best_other" in result:
         lines.append(f"reflow vs best other ({result['best_other_mode']}): {result['reflow_speedup_vs_best_other']:.2f}x tokens/s")
+        lines.append(
+            f"reflow eval reward at equal time minus the best other's ({result['best_other_mode_by_eval_reward']}): "
+            f"{result['reflow_eval_reward_minus_best_other']:+.3f}"
+        )
     return "\n".join(lines)
