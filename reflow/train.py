@@ -22,8 +22,8 @@ import sys
 import time
 
 from reflow.config import ConfigError, ConfigManager, JobConfig, format_config
-from reflow.config.validate import mode_warnings, validate, validate_recipe, validate_world
-from reflow.distributed.placement import feasible_placements
+from reflow.config.validate import mode_warnings, parse_schedule, validate, validate_recipe, validate_world
+from reflow.distributed.placement import build_placement, feasible_placements
 from reflow.model.recipe import load_recipe, resolve_path
 
 logger = logging.getLogger("reflow")
@@ -133,7 +133,11 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
         else:
             # ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    layouts = build_trainer_layouts(world, placement.shard_degree, [placement.replicate_degree])
+    # every trainer layout the run may use (the starting one and those placement.schedule moves to): meshes and
+    # groups are collective to build, so all exist from now on
+    schedule = parse_schedule(cfg, placement) if cfg.placement.schedule else []
+    replica_counts = [placement.replicate_degree] + [replicas for _, replicas in schedule]
+    layouts = build_trainer_layouts(world, placement.shard_degree, replica_counts)
     trainer_group = layouts[placement.replicate_degree].group
     log = MetricsLogger(
         cfg.job.dump_folder, rank == 0, cfg.training.steps, cfg.metrics.enable_tensorboard, cfg.metrics.enable_progress_bar
@@ -150,8 +154,10 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
     if device.type == "cpu":
         log.info("CPU run: vLLM sleep/wake and trainer offload are no-ops")
     # 4. trainer shard
+    # (every rank when the placement changes during the run: a rank outside the starting trainer holds only
+    # the FSDP skeletons of the placements it may join, no storage)
     trainer = None
-    if placement.is_trainer(rank):
+    if placement.is_trainer(rank) or schedule:
         trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, placement.replicate_degree, device)
     # 5. weight sync (every rank derives the same plan)
     from reflow.model.qwen3 import build_model_config
@@ -160,7 +166,11 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
     model_cfg = build_model_config(recipe, cfg.model.attention)
     sync_dtype = torch.float32 if device.type == "cpu" else getattr(torch, recipe.vllm.dtype)
     plan = build_sync_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.weight_sync.bucket_size_mb, sync_dtype)
-    weight_sync = WeightSync(placement, plan, rank, device)
+    weight_syncs = {}
+    for replicas in sorted(set(replica_counts), reverse=True):  # the same order on every rank: new_group inside
+        there = build_placement(world, replicas, placement.shard_degree, world - replicas * placement.shard_degree)
+        weight_syncs[replicas] = WeightSync(there, plan, rank, device)
+    weight_sync = weight_syncs[placement.replicate_degree]
     # 6. the rest
     return Components(
         cfg=cfg,
@@ -178,6 +188,9 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
         eval_problems=eval_problems,
         logger=log,
         checkpoints=CheckpointManager(cfg, trainer_group),
+        layouts=layouts,
+        weight_syncs=weight_syncs,
+        schedule=schedule,
     )
 
 
@@ -202,16 +215,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from reflow.modes import MODES
 
-    c = build_components(cfg, recipe, placement, warnings)
-    mode = MODES[cfg.training.mode](c)
+    parts = build_components(cfg, recipe, placement, warnings)
+    mode = MODES[cfg.training.mode](parts)
     t0 = time.time()
     mode.run()
-    c.logger.info(f"trained {cfg.training.steps} steps in {time.time() - t0:.1f}s; metrics in {cfg.job.dump_folder}/metrics.jsonl")
-    if cfg.checkpoint.export_hf and c.trainer is not None:
+    parts.logger.info(f"trained {cfg.training.steps} steps in {time.time() - t0:.1f}s; metrics in {cfg.job.dump_folder}/metrics.jsonl")
+    if cfg.checkpoint.export_hf and parts.trainer is not None and parts.trainer.active:
         out = os.path.join(cfg.job.dump_folder, "hf_final")
-        c.trainer.export_hf(out, write=c.rank == 0)
-        c.logger.info(f"exported the policy in Hugging Face format to {out}")
-    c.logger.close()
+        parts.trainer.export_hf(out, write=parts.rank == 0)
+        parts.logger.info(f"exported the policy in Hugging Face format to {out}")
+    parts.logger.close()
     dist.barrier()
     # vLLM's exit hook tears down its own process groups; it needs the default group alive then
     return 0

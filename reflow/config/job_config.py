@@ -110,6 +110,10 @@ class Placement:
     """HSDP shard dimension (s_T); -1 = all remaining trainer ranks."""
     num_rollout_ranks: int = 0
     """Ranks that only generate. 0 = colocated: every rank both trains and generates (sync mode)."""
+    schedule: list = field(default_factory=list)
+    """Forced placement changes ('reflow' mode): "STEP:REPLICAS" entries, e.g. ["10:1", "20:2"]: after trainer
+    step STEP (a weight-sync step) the trainer has REPLICAS replicas of trainer_shard_degree ranks and the
+    other ranks generate. Ranks change role in place: no restart."""
 
 
 @dataclass

@@ -103,12 +103,63 @@ def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default")
                 "from generation: set placement.num_rollout_ranks >= 1"
             )
         _validate_decoupled(cfg, placement, where)
+    if cfg.placement.schedule:
+        parse_schedule(cfg, placement, where)
     if cfg.training.mode == "sync" and cfg.training.prompts_per_step % world_size:
         raise ConfigError(
             f"{where('training.prompts_per_step')}: 'training.prompts_per_step' = {cfg.training.prompts_per_step} "
             f"must be divisible by the number of ranks ({world_size}) in 'sync' mode"
         )
     return placement
+
+
+def parse_schedule(cfg: JobConfig, placement, where=lambda key: "default") -> list[tuple[int, int]]:
+    """placement.schedule as (after step, trainer replicas) pairs, each one checked: a sync step inside the
+    run, in order, a feasible placement (both pools non-empty), and a dispatch rule that feeds every shard and
+    every rollout rank there."""
+    from dataclasses import replace
+
+    from reflow.distributed.placement import build_placement
+
+    key = "placement.schedule"
+
+    def fail(msg: str) -> None:
+        raise ConfigError(f"{where(key)}: '{key}' {msg}")
+
+    if cfg.training.mode != "reflow":
+        fail(f"is supported in 'reflow' mode only (got training.mode = {cfg.training.mode!r})")
+    if cfg.checkpoint.enable:
+        fail("cannot be combined with checkpoint.enable yet (a checkpoint does not record the placement)")
+    out: list[tuple[int, int]] = []
+    previous_step, replicas_now = 0, placement.replicate_degree
+    most = (placement.world_size - 1) // placement.shard_degree
+    for entry in cfg.placement.schedule:
+        text = str(entry)
+        step_text, _, replicas_text = text.partition(":")
+        if not (step_text.strip().isdigit() and replicas_text.strip().isdigit()):
+            fail(f'entry {entry!r} must be "STEP:REPLICAS", e.g. "10:1"')
+        step, replicas = int(step_text), int(replicas_text)
+        if not previous_step < step < cfg.training.steps:
+            fail(f"entry {text!r}: steps must increase and stay below training.steps = {cfg.training.steps}")
+        if step % cfg.weight_sync.interval:
+            fail(f"entry {text!r}: step {step} is not a weight-sync step (a multiple of weight_sync.interval = {cfg.weight_sync.interval})")
+        if not 1 <= replicas <= most:
+            fail(
+                f"entry {text!r}: {replicas} trainer replicas of {placement.shard_degree} ranks leave no rollout rank "
+                f"or no trainer in a world of {placement.world_size} (feasible: 1 .. {most})"
+            )
+        if replicas == replicas_now:
+            fail(f"entry {text!r}: the trainer already has {replicas} replicas then")
+        there = build_placement(placement.world_size, replicas, placement.shard_degree, placement.world_size - replicas * placement.shard_degree)
+        sub = replace(cfg, placement=replace(cfg.placement, schedule=[], trainer_replicate_degree=replicas,
+                                             num_rollout_ranks=there.num_rollout_ranks))
+        try:
+            _validate_decoupled(sub, there, where)
+        except ConfigError as e:
+            fail(f"entry {text!r} ({there.name}): {e}")
+        out.append((step, replicas))
+        previous_step, replicas_now = step, replicas
+    return out
 
 
 def _validate_decoupled(cfg: JobConfig, placement, where) -> None:

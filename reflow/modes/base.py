@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,12 +33,19 @@ class Components:
     trainer_group: object
     engine: RolloutEngine
     weight_sync: WeightSync
+    """The weight sync of the starting placement."""
     task: Task
     tokenizer: PromptTokenizer
     train_problems: list[Problem]
     eval_problems: list[Problem]
     logger: MetricsLogger
     checkpoints: CheckpointManager
+    layouts: dict = field(default_factory=dict)
+    """Trainer layouts (mesh and group) of every placement the run may use, by replica count."""
+    weight_syncs: dict = field(default_factory=dict)
+    """The weight sync of every placement the run may use, by trainer replica count."""
+    schedule: list = field(default_factory=list)
+    """Forced placement changes: (after step, trainer replicas), from placement.schedule."""
 
 
 class StepTimer:
@@ -74,6 +81,8 @@ class ModeBase:
         self.step = 0
         self._stream = iterate_epochs(parts.train_problems, parts.cfg.job.seed)
         self._drawn = 0
+        self._train_start: float | None = None
+        self.finished = False
 
     # ---- data ---------------------------------------------------------------
 
@@ -114,15 +123,24 @@ class ModeBase:
         """How far the run has read the prompt stream (stored in checkpoints)."""
         return self._drawn
 
-    def train_loop(self) -> list[dict]:
-        """Steps until training.steps (or training.time_budget_s), with logging, evaluation and checkpoints.
+    @property
+    def trainer_group(self):
+        """The process group of the ranks that train now."""
+        return self.parts.trainer_group
+
+    def train_loop(self, until: int | None = None) -> list[dict]:
+        """Steps until training.steps (or training.time_budget_s), with logging, evaluation and checkpoints;
+        or only until step ``until`` (a placement change), after which ``finished`` tells which it was.
 
         Every rank that calls it trains (all ranks in colocated modes, the trainer ranks otherwise)."""
         parts = self.parts
         cfg = parts.cfg
         history = []
-        start = time.perf_counter()
-        while self.step < cfg.training.steps:
+        if self._train_start is None:
+            self._train_start = time.perf_counter()  # the time budget counts from the first step
+        start = self._train_start
+        self.finished = False
+        while self.step < cfg.training.steps and (until is None or self.step < until):
             self.step += 1
             row = self.train_one_step(self.step)
             row["mode"] = self.name
@@ -137,6 +155,7 @@ class ModeBase:
                 path = parts.checkpoints.save(self.step, parts.trainer, extra)
                 parts.logger.info(f"checkpoint saved: {path}")
             if last:
+                self.finished = True
                 break
         return history
 
@@ -146,7 +165,7 @@ class ModeBase:
         if budget <= 0:
             return False
         flag = torch.tensor([1 if time.perf_counter() - start >= budget else 0])
-        dist.broadcast(flag, src=self.parts.placement.trainer_ranks[0], group=self.parts.trainer_group)
+        dist.broadcast(flag, src=0, group=self.trainer_group)  # rank 0 trains in every placement
         return bool(flag.item())
 
     # ---- metrics ----------------------------------------------------------------
@@ -167,7 +186,6 @@ class ModeBase:
         token throughput counts everything ``trained`` on (fresh and replayed). ``staleness_counts[k]``
         is how many trained samples were k versions older than the policy ``trained_version`` they
         trained."""
-        parts = self.parts
         samples = new_samples
         staleness = [0] * (self.max_staleness + 1)
         for s in trained:
@@ -191,9 +209,9 @@ class ModeBase:
             ],
             dtype=torch.float64,
         )
-        dist.all_reduce(vec, group=parts.trainer_group)
+        dist.all_reduce(vec, group=self.trainer_group)
         maxlen = torch.tensor([max((len(s.output_ids) for s in samples), default=0)], dtype=torch.float64)
-        dist.all_reduce(maxlen, op=dist.ReduceOp.MAX, group=parts.trainer_group)
+        dist.all_reduce(maxlen, op=dist.ReduceOp.MAX, group=self.trainer_group)
         n = max(vec[2].item(), 1.0)
         step_time = timer.elapsed()
         mean = vec[0].item() / n

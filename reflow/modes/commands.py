@@ -25,8 +25,16 @@ class Progress:
 
 
 @dataclass(frozen=True)
+class Transition:
+    """The placement changes to ``replicas`` trainer replicas after this step: finish what is in flight, send
+    it, and join the transition (``reflow.modes.decoupled``)."""
+
+    replicas: int
+
+
+@dataclass(frozen=True)
 class Stop:
     """Training is over: drop in-flight requests, send END on the data plane, exit."""
 
 
-Command = SyncWeights | Progress | Stop
+Command = SyncWeights | Progress | Transition | Stop

@@ -29,9 +29,10 @@ engine and *retired* when trained for the first time or evicted unused.
 
 Control-plane protocol (who waits for whom, and why it cannot deadlock)
 -----------------------------------------------------------------------
-Planes: the data plane (rollout -> trainer shards) and the control plane (trainer rank 0 -> rollout
-ranks) each run on their own gloo group, one background thread per process and plane
-(``reflow.dataplane``). Collectives happen only on the main threads:
+Planes: the data plane (any rank -> any rank: groups to trainer shards, stats to rank 0, buffer handovers)
+and the control plane (rank 0 -> any other rank) each run on their own gloo group, one background thread
+per process and plane (``reflow.dataplane``); every rank can send and receive, because its role may change.
+Rank 0 trains in every placement and leads. Collectives happen only on the main threads:
 
   trainer ranks   loop: drain the data inbox into the buffer shard; evict samples staler than delta;
                   all-reduce(SUM) over the trainer group of "my shard cannot serve a batch yet" and of
@@ -69,9 +70,26 @@ one_step_off (window 2b, k = 1, eligible = born at v - 1): by induction on v fro
 started or resumed at (where every sample is born and the floor is 0), each shard gets exactly b/A samples
 born at v - 1 and b/A born at v, because the room a step's Progress grants is what that step
 consumed, and all of it is admitted at once (validated: rollout.max_num_seqs holds a rank's whole share of
-the window; I1, I2). (3) At the end rank 0 sends Stop; rollout ranks drop their in-flight requests and
-send END on the data plane; trainers drain until END from every rollout rank. Every thread exits; nothing
-sent is left unreceived.
+the window; I1, I2). (3) At the end rank 0 sends Stop; rollout ranks drop their in-flight requests; every rank
+sends END to every other rank on the data plane and drains until END from every other rank. Every thread
+exits; nothing sent is left unreceived.
+
+Placement changes (``placement.schedule``, reflow mode; ``_transition``). Only after a step that a weight
+sync ends, and only between two placements whose trainer ranks are a prefix of the world (0 .. n S - 1):
+rank 0 sends Transition(n') to every rollout rank instead of the next command. A rollout rank generates
+everything it admitted to the end, sends it, sends FLUSH to every trainer rank and joins; a trainer rank
+drains until FLUSH from every rollout rank (so each shard holds every group addressed to it); then every
+rank, in the same order: the trainer resize (``PolicyTrainer.resize``: staying ranks keep their shards,
+joining ranks receive them by bucketized broadcast over the new mesh's dp_replicate groups), a leaving
+shard hands its buffer to a staying one, rank 0 broadcasts the trainer's clock (step, version), every rank
+all-gathers the rollout ranks' prompt shares and deals them to the new pool without a gap, and the new
+placement's weight sync puts the weights into every engine that now generates. No deadlock: rank 0 starts
+it in step order, like a weight sync; a rollout rank reaches it after finitely many engine steps; FLUSH
+arrives after every group its sender sent (one sender's messages arrive in order), and the rest is
+collectives that every rank enters in the same order. Every group sent before the change reaches the shard
+it was addressed to before that shard moves; a group admitted after it is addressed within the new
+placement. reflow's dispatch rule (B_max per step) needs nothing carried over: the new budgets start at the
+step of the change, and each shard's retired counts restart with them.
 """
 
 from __future__ import annotations
@@ -89,8 +107,10 @@ from reflow.config.job_config import JobConfig
 from reflow.dataplane import ControlChannel, Inbox, Outbox
 from reflow.dataplane.transport import DATA
 from reflow.modes.base import Components, ModeBase, StepTimer
-from reflow.modes.commands import Progress, Stop, SyncWeights
-from reflow.modes.rollout_worker import PromptShare, RolloutWorker
+from reflow.distributed.placement import build_placement
+from reflow.modes.commands import Progress, Stop, SyncWeights, Transition
+from reflow.modes.prompts import PromptStream, initial_shares, reassign
+from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.rollouts import Sample, to_batch
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.scheduler import DispatchBudget, DispatchRule
@@ -136,38 +156,70 @@ def resolve_settings(cfg: JobConfig) -> ModeSettings:
 class DecoupledMode(ModeBase):
     def __init__(self, parts: Components):
         super().__init__(parts)
-        cfg, placement = parts.cfg, parts.placement
+        cfg = parts.cfg
         self.name = cfg.training.mode
         self.settings = resolve_settings(cfg)
         self.max_staleness = self.settings.delta
+        self.rank = parts.rank
+        self.stream = PromptStream(parts.train_problems, cfg.job.seed)
+        # planes: created by every rank at the same point (new_group is collective). Any rank may train or
+        # generate over the run, so every rank can send and receive data; commands go from rank 0 (which
+        # trains in every placement) to any other rank.
+        data_group = dist.new_group(backend="gloo")
+        control_group = dist.new_group(backend="gloo")
+        others = [r for r in range(parts.world_size) if r != parts.rank]
+        everyone_but_leader = [r for r in range(parts.world_size) if r != 0]
+        self.control = ControlChannel(control_group, parts.rank, 0, everyone_but_leader)
+        self.inbox = Inbox(data_group, others, "data")
+        self.outbox = Outbox(data_group, "data")
+        self.steps_done = 0
+        self.buffer: ReplayBuffer | None = None
+        self.rollout_stats: dict[int, dict] = {}
+        self.ledger: dict = {
+            "received": [], "consumed": [], "steps": [], "evicted_unused": [], "evicted_replayable": 0,
+            "handed_over_unused": [], "handed_in_unused": [], "left_unused": [], "transitions": [],
+            "started": [], "sent": [], "forwarded": [], "dropped_at_stop": [],
+        }
+        self.shares: list | None = None  # the rollout ranks' prompt shares, made once the resume point is known
+        self.flushed: set[int] = set()  # rollout ranks whose FLUSH arrived (placement changes)
+        self._enter(parts.placement)
+        if self.is_trainer and not parts.placement.is_rollout(parts.rank):
+            parts.engine.sleep()  # frees accelerator memory while this rank trains
+
+    # ================================================================ placement-dependent state
+
+    def _enter(self, placement) -> None:
+        """Take up the role and the per-placement state of ``placement`` (at startup and after a transition)."""
+        cfg = self.parts.cfg
+        self.placement = placement
         self.trainer_ranks = placement.trainer_ranks
         self.rollout_ranks = [r for r in placement.rollout_ranks if not placement.is_trainer(r)]
         self.batch_per_shard = cfg.training.prompts_per_step * cfg.training.group_size // len(self.trainer_ranks)
-        # planes: created by every rank at the same point (new_group is collective)
-        data_group = dist.new_group(backend="gloo")
-        control_group = dist.new_group(backend="gloo")
-        self.control = ControlChannel(control_group, parts.rank, self.trainer_ranks[0], self.rollout_ranks)
-        self.is_trainer = placement.is_trainer(parts.rank)
-        self.steps_done = 0
+        self.is_trainer = placement.is_trainer(self.rank)
+        self.published = None
         if self.is_trainer:
-            if not placement.is_rollout(parts.rank):
-                parts.engine.sleep()  # built only because engine construction is collective; frees GPU memory
-            self.shard_index = self.trainer_ranks.index(parts.rank)
-            self.inbox = Inbox(data_group, self.rollout_ranks, "data")
-            self.buffer = ReplayBuffer(
-                self.settings.sigma,
-                self.settings.delta,
-                build_sampler(cfg.replay.sampler),
-                build_filter(cfg.replay.filter, cfg.replay.filter_reward_low, cfg.replay.filter_reward_high),
-                seed=cfg.job.seed + parts.rank,
-                min_staleness=self.settings.min_staleness,
-            )
+            self.shard_index = self.trainer_ranks.index(self.rank)
             self.retired = [0] * len(self.rollout_ranks)  # this shard's retirements, per rollout rank
-            self.published: tuple | None = None  # rank 0: the last progress sent to the rollout ranks
-            self.rollout_stats: dict[int, dict] = {}
-            self.ledger: dict = {"received": [], "consumed": [], "steps": [], "evicted_unused": [], "evicted_replayable": 0}
-        else:
-            self.outbox = Outbox(data_group, "data")
+            if self.buffer is None:
+                self.buffer = ReplayBuffer(
+                    self.settings.sigma,
+                    self.settings.delta,
+                    build_sampler(cfg.replay.sampler),
+                    build_filter(cfg.replay.filter, cfg.replay.filter_reward_low, cfg.replay.filter_reward_high),
+                    seed=cfg.job.seed + self.rank,
+                    min_staleness=self.settings.min_staleness,
+                )
+                self.buffer.start_version = self.version
+        if self.shares is not None:
+            self.shares = reassign(self.shares, len(self.rollout_ranks))
+
+    @property
+    def trainer_group(self):
+        return self.parts.layouts[self.placement.replicate_degree].group if self.parts.layouts else self.parts.trainer_group
+
+    @property
+    def weight_sync(self):
+        return self.parts.weight_syncs.get(self.placement.replicate_degree, self.parts.weight_sync)
 
     # ================================================================ trainer side
 
@@ -175,11 +227,18 @@ class DecoupledMode(ModeBase):
         for message in self.inbox.drain():
             if message.kind != DATA:
                 continue
-            if message.body["type"] == "group":
-                self.buffer.add(message.body["samples"])
-                self.ledger["received"].extend(s.uid for s in message.body["samples"])
-            elif message.body["type"] == "stats":
-                self.rollout_stats[message.src] = message.body
+            body = message.body
+            if body["type"] in ("group", "handover"):
+                samples = body["samples"]
+                if not self.is_trainer:
+                    raise RuntimeError(f"rank {self.rank} generates but received samples from rank {message.src}")
+                self.buffer.add(samples)
+                key = "received" if body["type"] == "group" else "handed_in_unused"
+                self.ledger[key].extend(s.uid for s in samples if body["type"] == "group" or s.use_count == 0)
+            elif body["type"] == "stats":
+                self.rollout_stats[message.src] = body
+            elif body["type"] == "flush":
+                self.flushed.add(message.src)
 
     def _evict_stale(self) -> None:
         """A long-tail sample can finish after its version left the window: never train on it; retire it."""
@@ -191,7 +250,8 @@ class DecoupledMode(ModeBase):
                 self.ledger["evicted_replayable"] += 1
 
     def _retire(self, sample: Sample) -> None:
-        self.retired[sample.origin] += 1
+        if 0 <= sample.origin < len(self.retired):
+            self.retired[sample.origin] += 1
 
     def _exchange_progress(self, not_ready: bool) -> bool:
         """All trainer ranks: are all shards ready? Rank 0 also tells the rollout ranks what was retired.
@@ -202,8 +262,8 @@ class DecoupledMode(ModeBase):
         counts[0] = int(not_ready)
         for rollout in range(num_rollout):
             counts[1 + rollout * num_shards + self.shard_index] = self.retired[rollout]
-        dist.all_reduce(counts, group=self.parts.trainer_group)
-        if self.parts.rank == self.control.leader:
+        dist.all_reduce(counts, group=self.trainer_group)
+        if self.rank == self.control.leader:
             retired = counts[1:].view(num_rollout, num_shards).tolist()
             progress = (self.steps_done, tuple(tuple(row) for row in retired))
             if progress != self.published:
@@ -224,10 +284,11 @@ class DecoupledMode(ModeBase):
 
     def _sync_weights(self) -> None:
         parts = self.parts
-        if parts.rank == self.control.leader:
-            self.control.broadcast(SyncWeights(self.version))
+        if self.rank == self.control.leader:
+            for rank in self.rollout_ranks:
+                self.control.send(rank, SyncWeights(self.version))
         self._evict_stale()
-        parts.weight_sync.sync(parts.trainer, parts.engine, self.version)
+        self.weight_sync.sync(parts.trainer, parts.engine, self.version)
 
     def train_one_step(self, step: int) -> dict:
         parts = self.parts
@@ -265,9 +326,9 @@ class DecoupledMode(ModeBase):
             plan.fresh, trained, stats, timer, trained_version, trainer_wait_s=timer.get("wait"), rollout_wait_s=0.0
         )
         counts = torch.tensor([len(plan.fresh), len(plan.replayed)], dtype=torch.float64)
-        dist.all_reduce(counts, group=parts.trainer_group)
+        dist.all_reduce(counts, group=self.trainer_group)
         buffered = torch.tensor([len(self.buffer)], dtype=torch.float64)
-        dist.all_reduce(buffered, op=dist.ReduceOp.MAX, group=parts.trainer_group)
+        dist.all_reduce(buffered, op=dist.ReduceOp.MAX, group=self.trainer_group)
         fresh, replayed = int(counts[0]), int(counts[1])
         replay_fraction = replayed / max(fresh + replayed, 1)
         row.update(
@@ -277,6 +338,7 @@ class DecoupledMode(ModeBase):
             alpha=replay_gradient_share(replay_fraction, self.settings.tau),
             buffer_size_max=int(buffered.item()),
             rollout_idle_ratio=self._rollout_idle_ratio(),
+            placement=self.placement.name,
         )
         return row
 
@@ -285,52 +347,140 @@ class DecoupledMode(ModeBase):
         busy = sum(s["busy_s"] for s in self.rollout_stats.values())
         return idle / (idle + busy) if idle + busy > 0 else 0.0
 
+    # ================================================================ rollout side
+
+    def _rollout_worker(self) -> RolloutWorker:
+        parts = self.parts
+        index = self.rollout_ranks.index(self.rank)
+        budget = DispatchBudget(
+            self.settings.dispatch, index, len(self.rollout_ranks), len(self.trainer_ranks),
+            parts.cfg.training.group_size, start_step=self.step,
+        )
+        return RolloutWorker(
+            parts, self.weight_sync, self.control, self.outbox, budget, self.stream, self.shares[index], index,
+            self.trainer_ranks,
+        )
+
     # ================================================================ both
 
     def run(self) -> list[dict]:
         self.resume()
         self.steps_done = self.step
-        history = []
+        self.shares = initial_shares(len(self.rollout_ranks), self._drawn)
         if self.is_trainer:
             self.buffer.start_version = self.version  # the engines start (or resume) on this version
-            history = self.train_loop()
-            if self.parts.rank == self.control.leader:
-                self.control.broadcast(Stop())
-            # drain until END from every rollout rank
-            while not self.inbox.done:
-                self._receive()
-                time.sleep(0.005)
-            self._receive()
-            self.inbox.join()
-            self.ledger["left_unused"] = [s.uid for s in self.buffer.unused]
-            self.ledger["left_replayable"] = len(self.buffer.replayable)
-        else:
-            worker = self._build_rollout_worker()
-            worker.run()
-            self.outbox.close(self.trainer_ranks)
-            self.ledger = worker.ledger
-        self.control.close()
-        self._write_ledger()
+        history = []
+        schedule = [(step, replicas) for step, replicas in self.parts.schedule if step > self.step]
+        while True:
+            next_change = schedule[0] if schedule else None
+            if self.is_trainer:
+                history += self.train_loop(until=next_change[0] if next_change else None)
+                change = None if self.finished else next_change
+                if self.rank == self.control.leader:
+                    for rank in self.rollout_ranks:
+                        self.control.send(rank, Transition(change[1]) if change else Stop())
+            else:
+                worker = self._rollout_worker()
+                command = worker.run()
+                self._merge_rollout_ledger(worker.ledger)
+                change = next_change if isinstance(command, Transition) else None
+                if change is not None and command.replicas != change[1]:
+                    raise RuntimeError(f"transition to {command.replicas} replicas, the schedule says {change[1]}")
+            if change is None:
+                break
+            schedule.pop(0)
+            self._transition(change[1])
+        self._shut_down()
         return history
 
-    def _build_rollout_worker(self) -> RolloutWorker:
+    def _merge_rollout_ledger(self, worker_ledger: dict) -> None:
+        for key in ("started", "sent", "dropped_at_stop"):
+            self.ledger[key].extend(worker_ledger[key])
+
+    def _transition(self, replicas: int) -> None:
+        """Every rank, after the step a placement change follows (a sync point; rollout ranks have finished and
+        sent everything in flight):
+
+          1. rollout ranks send FLUSH to every trainer rank; trainer ranks drain until they have FLUSH from every
+             rollout rank, so each shard holds every sample addressed to it
+          2. the trainer resizes (staying ranks keep their shards, joining ranks receive theirs)
+          3. leaving trainer ranks hand their buffer to the staying shard of index (their index mod A'); nothing
+             else can reach them: every group sent before the change arrived before FLUSH
+          4. every rank learns how far each rollout rank drew the prompt stream and takes up the new placement's
+             state (roles, prompt shares dealt without a gap, buffers, budgets)
+          5. the new placement's weight sync puts the current weights into every new rollout rank's engine
+        """
         parts = self.parts
-        index = self.rollout_ranks.index(parts.rank)
-        budget = DispatchBudget(
-            self.settings.dispatch, index, len(self.rollout_ranks), len(self.trainer_ranks),
-            parts.cfg.training.group_size, start_step=self.step,
-        )
-        prompts = PromptShare(parts.train_problems, parts.cfg.job.seed, index, len(self.rollout_ranks), first_draw=self._drawn)
-        return RolloutWorker(parts, self.control, self.outbox, budget, prompts, index)
+        t0 = time.perf_counter()
+        old = self.placement
+        new = build_placement(old.world_size, replicas, old.shard_degree, old.world_size - replicas * old.shard_degree)
+        # 1. flush the data plane into the shards
+        if not self.is_trainer:
+            for rank in self.trainer_ranks:
+                self.outbox.put(rank, {"type": "flush"})
+        else:
+            while not set(self.rollout_ranks) <= self.flushed:
+                self._receive()
+                time.sleep(0.002)
+            self.flushed.clear()
+        # 2. the trainer's shards
+        resized = parts.trainer.resize(replicas, bucket_bytes=int(parts.cfg.weight_sync.bucket_size_mb * 2**20))
+        # 3. a leaving shard's samples go to a staying one (use counts and versions kept)
+        if self.is_trainer and not new.is_trainer(self.rank):
+            samples = self.buffer.drain()
+            heir = new.trainer_ranks[self.shard_index % new.num_trainer_ranks]
+            self.outbox.put(heir, {"type": "handover", "samples": samples})
+            self.ledger["handed_over_unused"].extend(s.uid for s in samples if s.use_count == 0)
+            self.buffer = None
+        # 4. the trainer's clock (a rank that generated did not count steps), the prompt shares as the rollout
+        #    ranks left them, then the new placement's roles and state
+        clock = torch.tensor([self.step, self.version, self.steps_done, self._drawn], dtype=torch.long)
+        dist.broadcast(clock, src=0)  # rank 0 trains in every placement
+        self.step, self.version, self.steps_done, self._drawn = (int(x) for x in clock.tolist())
+        mine = self.shares[self.rollout_ranks.index(self.rank)] if not self.is_trainer else None
+        gathered = [None] * old.world_size
+        dist.all_gather_object(gathered, mine)
+        self.shares = [gathered[rank] for rank in self.rollout_ranks]
+        self._enter(new)
+        # 5. weights into every engine that generates now (an engine that was asleep wakes in load_weights)
+        self.weight_sync.sync(parts.trainer if self.is_trainer else None, parts.engine, self.version)
+        if self.is_trainer and not old.is_trainer(self.rank) and not self.placement.is_rollout(self.rank):
+            parts.engine.sleep()
+        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        moved = torch.tensor([resized.bytes_moved], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        dist.all_reduce(moved)
+        event = {
+            "transition": f"{old.name} -> {new.name}", "direction": resized.direction if self.rank == 0 else "",
+            "placement": new.name, "transition_s": seconds.item(), "bytes_moved": int(moved.item()), "after_step": self.step,
+        }
+        self.ledger["transitions"].append(event)
+        if self.rank == 0:
+            parts.logger.log(self.step, {k: v for k, v in event.items() if k != "after_step"})
+            parts.logger.info(f"placement {old.name} -> {new.name} after step {self.step} in {seconds.item():.2f}s")
+
+    def _shut_down(self) -> None:
+        """END to every other rank on the data plane; drain until END from every other rank; close the planes."""
+        self.outbox.close([r for r in range(self.parts.world_size) if r != self.rank])
+        while not self.inbox.done:
+            self._receive()
+            time.sleep(0.005)
+        self._receive()
+        self.inbox.join()
+        if self.buffer is not None:
+            self.ledger["left_unused"].extend(s.uid for s in self.buffer.unused)
+            self.ledger["left_replayable"] = len(self.buffer.replayable)
+        self.control.close()
+        self._write_ledger()
 
     def prompts_drawn(self) -> int:
         """The furthest prompt any trainer shard has consumed (rollout ranks resume after it)."""
         drawn = torch.tensor([self._drawn], dtype=torch.long)
-        dist.all_reduce(drawn, op=dist.ReduceOp.MAX, group=self.parts.trainer_group)
+        dist.all_reduce(drawn, op=dist.ReduceOp.MAX, group=self.trainer_group)
         return int(drawn.item())
 
     def _write_ledger(self) -> None:
-        path = os.path.join(self.parts.cfg.job.dump_folder, "ledger", f"rank{self.parts.rank}.json")
+        path = os.path.join(self.parts.cfg.job.dump_folder, "ledger", f"rank{self.rank}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"rank": self.parts.rank, "trainer": self.is_trainer, **self.ledger}, f)
+            json.dump({"rank": self.rank, "trainer": self.is_trainer, **self.ledger}, f)

@@ -25,37 +25,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from reflow.dataplane import ControlChannel, Outbox
-from reflow.modes.commands import Progress, Stop, SyncWeights
+from reflow.modes.commands import Progress, Stop, SyncWeights, Transition
 from reflow.modes.rollouts import PromptTokenizer, Sample, assign_advantages, make_group_requests, score
 from reflow.rollout.engine import Request, RolloutEngine
 from reflow.scheduler import DispatchBudget
-from reflow.tasks.base import Problem, Task, iterate_epochs
+from reflow.modes.prompts import PromptShare, PromptStream
+from reflow.tasks.base import Task
 
 if TYPE_CHECKING:
     from reflow.modes.base import Components
-
-
-class PromptShare:
-    """Rollout rank ``index`` of ``count`` takes the prompts of the run's stream whose draw index is
-    ``index`` mod ``count``; the draw index is the prompt's position in the stream, unique in the run."""
-
-    def __init__(self, problems: list[Problem], seed: int, index: int, count: int, first_draw: int = 0):
-        self.stream = iterate_epochs(problems, seed)
-        self.index, self.count = index, count
-        self.draw = 0
-        while self.draw < first_draw:  # a resumed run skips what the checkpointed run used
-            self._skip()
-
-    def _skip(self) -> None:
-        next(self.stream)
-        self.draw += 1
-
-    def next(self) -> tuple[int, Problem]:
-        while self.draw % self.count != self.index:
-            self._skip()
-        draw, problem = self.draw, next(self.stream)
-        self.draw += 1
-        return draw, problem
 
 
 class GroupAssembler:
@@ -94,22 +72,28 @@ class BusyIdle:
 
 
 class RolloutWorker:
+    """One rollout rank for one placement: ``run`` returns the command that ended it (Stop or Transition)."""
+
     def __init__(
         self,
         parts: "Components",
+        weight_sync,
         control: ControlChannel,
         outbox: Outbox,
         budget: DispatchBudget,
-        prompts: PromptShare,
+        stream: PromptStream,
+        share: PromptShare,
         rollout_index: int,
+        trainer_ranks: list[int],
     ):
         cfg = parts.cfg
         self.cfg = cfg
         self.engine: RolloutEngine = parts.engine
-        self.weight_sync = parts.weight_sync
+        self.weight_sync = weight_sync
         self.task, self.tokenizer = parts.task, parts.tokenizer
-        self.trainer_ranks = parts.placement.trainer_ranks
-        self.control, self.outbox, self.budget, self.prompts = control, outbox, budget, prompts
+        self.trainer_ranks = trainer_ranks
+        self.control, self.outbox, self.budget = control, outbox, budget
+        self.stream, self.share = stream, share
         self.group_size = cfg.training.group_size
         self.groups = GroupAssembler(
             self.task, self.tokenizer, self.group_size, cfg.training.normalize_adv_std, cfg.training.advantage_eps, rollout_index
@@ -118,7 +102,7 @@ class RolloutWorker:
         self.commands: deque = deque()
         self.ledger: dict = {"started": [], "sent": [], "dropped_at_stop": []}
 
-    def run(self) -> None:
+    def run(self):
         while True:
             # 1. commands
             self.commands.extend(self.control.poll())
@@ -127,7 +111,10 @@ class RolloutWorker:
                 if isinstance(command, Stop):
                     self.ledger["dropped_at_stop"] = [req.request_id for req in self.engine.hold_all()]
                     self.ledger["dropped_at_stop"] += self.groups.waiting_ids()
-                    return
+                    return command
+                if isinstance(command, Transition):
+                    self._finish_in_flight()
+                    return command
                 if isinstance(command, SyncWeights):
                     self._sync(command.version)
                 elif isinstance(command, Progress):
@@ -152,6 +139,16 @@ class RolloutWorker:
             if time.time() - self.busy_idle.last_report > 1.0:
                 self._report()
 
+    def _finish_in_flight(self) -> None:
+        """A placement change: generate every admitted request to its end and send its group (never dropped)."""
+        t0 = time.perf_counter()
+        while self.engine.num_active:
+            for req in self.engine.step():
+                self._finished(req)
+        self.busy_idle.busy_s += time.perf_counter() - t0
+        assert not self.groups.waiting_ids(), "a group's requests always finish together here"
+        self._report()
+
     def _sync(self, version: int) -> None:
         t0 = time.perf_counter()
         for req in self.engine.step_until_started():
@@ -169,7 +166,8 @@ class RolloutWorker:
             shard = self.budget.next_shard()
             if shard is None:
                 return
-            draw, problem = self.prompts.next()
+            draw = self.share.take()
+            problem = self.stream.problem_at(draw)
             now = time.time()
             for req in make_group_requests(
                 problem, draw, self.task, self.tokenizer, self.group_size, cfg.rollout.max_new_tokens, cfg.job.seed,

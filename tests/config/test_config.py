@@ -211,3 +211,46 @@ def test_keys_the_mode_does_not_read_are_reported_not_rewritten():
     assert any("'weight_sync.interval' is not used in 'one_step_off'" in w for w in said)
     assert cfg.replay.delta == 3 and cfg.weight_sync.interval == 2
     assert mode_warnings(m.parse_args(["--training.mode=reflow", "--replay.sigma=0.5"]), m.where) == []
+
+
+@pytest.mark.parametrize(
+    "schedule, words",
+    [
+        ('["4:0"]', "leave no rollout rank or no trainer"),  # an empty trainer pool
+        ('["4:4"]', "leave no rollout rank or no trainer"),  # an empty rollout pool
+        ('["3:1"]', "not a weight-sync step"),
+        ('["4:2"]', "already has 2 replicas"),
+        ('["8:1", "4:2"]', "steps must increase"),
+        ('["4"]', '"STEP:REPLICAS"'),
+        ('["200:1"]', "below training.steps"),
+        # 1 trainer shard of 1 rank and 3 rollout ranks: B_max = 2 groups cannot feed 3 rollout ranks
+        ('["4:1"]', "T1x1+R3"),
+    ],
+)
+def test_bad_placement_schedules_are_rejected_before_ranks_start(schedule, words):
+    m = ConfigManager()
+    args = [
+        "--training.mode=reflow", "--placement.trainer_replicate_degree=2", "--placement.trainer_shard_degree=1",
+        "--placement.num_rollout_ranks=2", "--weight_sync.interval=2", f"--placement.schedule={schedule}",
+        "--training.steps=100",
+    ]
+    if words == "T1x1+R3":
+        args.append("--training.prompts_per_step=2")
+    cfg = m.parse_args(args)
+    validate(cfg, m.where)
+    with pytest.raises(ConfigError) as err:
+        validate_world(cfg, 4, m.where)
+    assert "'placement.schedule'" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_placement_schedule_needs_reflow_mode_and_no_checkpoint():
+    base = ["--placement.num_rollout_ranks=2", "--placement.trainer_replicate_degree=2", '--placement.schedule=["2:1"]', "--weight_sync.interval=1"]
+    with pytest.raises(ConfigError, match="'reflow' mode only"):
+        validate_world(ConfigManager().parse_args(["--training.mode=async", *base]), 4)
+    with pytest.raises(ConfigError, match="checkpoint.enable"):
+        validate_world(ConfigManager().parse_args(["--training.mode=reflow", "--checkpoint.enable=true", *base]), 4)
+    from reflow.config.validate import parse_schedule
+
+    m = ConfigManager()
+    cfg = m.parse_args(["--training.mode=reflow", *base])
+    assert parse_schedule(cfg, validate_world(cfg, 4, m.where)) == [(2, 1)]

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.modes.commands import Progress, Stop, SyncWeights
-from reflow.modes.rollout_worker import PromptShare, RolloutWorker
+from reflow.modes.prompts import PromptStream, initial_shares
+from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.rollouts import PromptTokenizer
 from reflow.rollout.engine import RolloutEngine
 from reflow.scheduler import DispatchBudget, DispatchRule
@@ -72,13 +73,10 @@ class ScriptedControl:
 
 
 outbox = CollectingOutbox()
-parts = SimpleNamespace(
-    cfg=cfg, engine=engine, weight_sync=SameWeights(), task=build_task("chain_sum"),
-    tokenizer=PromptTokenizer(hf), placement=SimpleNamespace(trainer_ranks=[0]),
-)
+parts = SimpleNamespace(cfg=cfg, engine=engine, task=build_task("chain_sum"), tokenizer=PromptTokenizer(hf))
 budget = DispatchBudget(DispatchRule(window=4), 0, 1, 1, group_size=2)  # one_step_off's window of 2 batches
-prompts = PromptShare(load_problems(resolve_path(cfg.task.train_file)), 0, 0, 1)
-worker = RolloutWorker(parts, ScriptedControl(outbox), outbox, budget, prompts, 0)
+stream = PromptStream(load_problems(resolve_path(cfg.task.train_file)), 0)
+worker = RolloutWorker(parts, SameWeights(), ScriptedControl(outbox), outbox, budget, stream, initial_shares(1)[0], 0, [0])
 worker.run()
 report = {
     "groups": len(outbox.groups),
