@@ -68,7 +68,7 @@ class CheckpointManager:
         return choice[0]
 
     def maybe_load(self, trainer) -> dict | None:
-        """Load the requested (or latest) checkpoint into ``trainer`` (None on ranks that do not train).
+        """Load the requested (or latest) checkpoint into ``trainer`` (None, or inactive, on ranks that do not train).
 
         Every rank calls; every rank gets the checkpoint's extra state (step, policy version, prompts drawn)."""
         if not self.enabled:
@@ -77,7 +77,7 @@ class CheckpointManager:
         if step < 0:
             return None
         extra = [None]
-        if trainer is not None:
+        if trainer is not None and trainer.active:
             state = {"trainer": trainer.state_dict(), "extra": {"step": 0, "policy_version": 0, "prompts_drawn": 0}}
             dcp.load(state, checkpoint_id=self._path(step), process_group=self.group)
             trainer.load_state_dict(state["trainer"])

@@ -133,17 +133,17 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
         else:
             # ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    # every trainer layout the run may use (the starting one and those placement.schedule moves to): meshes and
-    # groups are collective to build, so all exist from now on
+    # every feasible placement's trainer layout: meshes and groups are collective to build, so every placement a
+    # controller may choose exists from now on
     schedule = parse_schedule(cfg, placement) if cfg.placement.schedule else []
-    replica_counts = [placement.replicate_degree] + [replicas for _, replicas in schedule]
+    feasible = feasible_placements(world, placement.shard_degree, placement.colocated)
+    replica_counts = [p.replicate_degree for p in feasible]
     layouts = build_trainer_layouts(world, placement.shard_degree, replica_counts)
     trainer_group = layouts[placement.replicate_degree].group
     log = MetricsLogger(
         cfg.job.dump_folder, rank == 0, cfg.training.steps, cfg.metrics.enable_tensorboard, cfg.metrics.enable_progress_bar
     )
     log.info(f"{placement.describe()}; mode {cfg.training.mode}; model {recipe.name} from {hf_dir}")
-    feasible = feasible_placements(world, placement.shard_degree, placement.colocated)
     log.info(f"feasible placements with trainer shard degree {placement.shard_degree}: {', '.join(p.name for p in feasible)}")
     if pinned is not None:
         log.info(f"CPU affinity: rank {rank} pinned to core {pinned}, 1 compute thread")
@@ -154,10 +154,10 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
     if device.type == "cpu":
         log.info("CPU run: vLLM sleep/wake and trainer offload are no-ops")
     # 4. trainer shard
-    # (every rank when the placement changes during the run: a rank outside the starting trainer holds only
-    # the FSDP skeletons of the placements it may join, no storage)
+    # (every rank in the decoupled modes, whose placement may change: a rank outside the starting trainer holds
+    # only the FSDP skeletons of the placements it may join, no storage)
     trainer = None
-    if placement.is_trainer(rank) or schedule:
+    if placement.is_trainer(rank) or not placement.colocated:
         trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, placement.replicate_degree, device)
     # 5. weight sync (every rank derives the same plan)
     from reflow.model.qwen3 import build_model_config
@@ -167,7 +167,7 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
     sync_dtype = torch.float32 if device.type == "cpu" else getattr(torch, recipe.vllm.dtype)
     plan = build_sync_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.weight_sync.bucket_size_mb, sync_dtype)
     weight_syncs = {}
-    for replicas in sorted(set(replica_counts), reverse=True):  # the same order on every rank: new_group inside
+    for replicas in sorted(replica_counts, reverse=True):  # the same order on every rank: new_group inside
         there = build_placement(world, replicas, placement.shard_degree, world - replicas * placement.shard_degree)
         weight_syncs[replicas] = WeightSync(there, plan, rank, device)
     weight_sync = weight_syncs[placement.replicate_degree]

@@ -128,9 +128,14 @@ class ModeBase:
         """The process group of the ranks that train now."""
         return self.parts.trainer_group
 
-    def train_loop(self, until: int | None = None) -> list[dict]:
-        """Steps until training.steps (or training.time_budget_s), with logging, evaluation and checkpoints;
-        or only until step ``until`` (a placement change), after which ``finished`` tells which it was.
+    def pause_requested(self, row: dict) -> bool:
+        """After a step's row is logged: leave the loop now, before the run is finished (a placement change)?
+        Every rank that trains must get the same answer."""
+        return False
+
+    def train_loop(self) -> list[dict]:
+        """Steps until training.steps (or training.time_budget_s), with logging, evaluation and checkpoints,
+        or until ``pause_requested``; ``finished`` then tells which it was (called again, it goes on).
 
         Every rank that calls it trains (all ranks in colocated modes, the trainer ranks otherwise)."""
         parts = self.parts
@@ -140,7 +145,7 @@ class ModeBase:
             self._train_start = time.perf_counter()  # the time budget counts from the first step
         start = self._train_start
         self.finished = False
-        while self.step < cfg.training.steps and (until is None or self.step < until):
+        while self.step < cfg.training.steps:
             self.step += 1
             row = self.train_one_step(self.step)
             row["mode"] = self.name
@@ -156,6 +161,8 @@ class ModeBase:
                 parts.logger.info(f"checkpoint saved: {path}")
             if last:
                 self.finished = True
+                break
+            if self.pause_requested(row):
                 break
         return history
 

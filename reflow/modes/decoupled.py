@@ -74,9 +74,10 @@ the window; I1, I2). (3) At the end rank 0 sends Stop; rollout ranks drop their 
 sends END to every other rank on the data plane and drains until END from every other rank. Every thread
 exits; nothing sent is left unreceived.
 
-Placement changes (``placement.schedule``, reflow mode; ``_transition``). Only after a step that a weight
-sync ends, and only between two placements whose trainer ranks are a prefix of the world (0 .. n S - 1):
-rank 0 sends Transition(n') to every rollout rank instead of the next command. A rollout rank generates
+Placement changes (``_transition``; reflow mode). At every sync point trainer rank 0 asks the run's
+``PlacementController`` (today ``ForcedSchedule``, from placement.schedule) and broadcasts the answer to the
+trainer ranks; on a change, the trainer ranks leave their loop and rank 0 sends Transition(n') to every
+rollout rank instead of the next command. Placements' trainer ranks are a prefix of the world (0 .. n S - 1). A rollout rank generates
 everything it admitted to the end, sends it, sends FLUSH to every trainer rank and joins; a trainer rank
 drains until FLUSH from every rollout rank (so each shard holds every group addressed to it); then every
 rank, in the same order: the trainer resize (``PolicyTrainer.resize``: staying ranks keep their shards,
@@ -113,7 +114,7 @@ from reflow.modes.prompts import PromptStream, initial_shares, reassign
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.rollouts import Sample, to_batch
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
-from reflow.scheduler import DispatchBudget, DispatchRule
+from reflow.scheduler import DispatchBudget, DispatchRule, ForcedSchedule, PlacementController
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,9 @@ class DecoupledMode(ModeBase):
             "started": [], "sent": [], "forwarded": [], "dropped_at_stop": [],
         }
         self.shares: list | None = None  # the rollout ranks' prompt shares, made once the resume point is known
+        self.controller: PlacementController | None = ForcedSchedule(parts.schedule) if parts.schedule else None
+        self.window: list[dict] = []  # metrics rows since the controller's last decision
+        self.change_to: int | None = None
         self.flushed: set[int] = set()  # rollout ranks whose FLUSH arrived (placement changes)
         self._enter(parts.placement)
         if self.is_trainer and not parts.placement.is_rollout(parts.rank):
@@ -370,28 +374,40 @@ class DecoupledMode(ModeBase):
         if self.is_trainer:
             self.buffer.start_version = self.version  # the engines start (or resume) on this version
         history = []
-        schedule = [(step, replicas) for step, replicas in self.parts.schedule if step > self.step]
         while True:
-            next_change = schedule[0] if schedule else None
             if self.is_trainer:
-                history += self.train_loop(until=next_change[0] if next_change else None)
-                change = None if self.finished else next_change
+                self.change_to = None
+                history += self.train_loop()
                 if self.rank == self.control.leader:
                     for rank in self.rollout_ranks:
-                        self.control.send(rank, Transition(change[1]) if change else Stop())
+                        self.control.send(rank, Transition(self.change_to) if self.change_to else Stop())
+                target = self.change_to
             else:
                 worker = self._rollout_worker()
                 command = worker.run()
                 self._merge_rollout_ledger(worker.ledger)
-                change = next_change if isinstance(command, Transition) else None
-                if change is not None and command.replicas != change[1]:
-                    raise RuntimeError(f"transition to {command.replicas} replicas, the schedule says {change[1]}")
-            if change is None:
+                target = command.replicas if isinstance(command, Transition) else None
+            if target is None:
                 break
-            schedule.pop(0)
-            self._transition(change[1])
+            self._transition(target)
         self._shut_down()
         return history
+
+    def pause_requested(self, row: dict) -> bool:
+        """At a sync point, trainer rank 0 asks the placement controller; every trainer rank learns the answer."""
+        if self.controller is None:
+            return False
+        self.window.append(row)
+        if self.version % self.settings.interval:
+            return False
+        decision = torch.zeros(1, dtype=torch.long)
+        if self.rank == 0:
+            target = self.controller.decide(self.step, self.placement.replicate_degree, self.window)
+            decision[0] = target or 0
+            self.window = []
+        dist.broadcast(decision, src=0, group=self.trainer_group)
+        self.change_to = int(decision.item()) or None
+        return self.change_to is not None
 
     def _merge_rollout_ledger(self, worker_ledger: dict) -> None:
         for key in ("started", "sent", "dropped_at_stop"):

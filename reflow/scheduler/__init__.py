@@ -2,5 +2,6 @@
 so the live rollout loop, tests and a simulator run the same classes."""
 
 from reflow.scheduler.dispatch import DispatchBudget, DispatchRule, share_groups
+from reflow.scheduler.placement import ForcedSchedule, PlacementController
 
-__all__ = ["DispatchBudget", "DispatchRule", "share_groups"]
+__all__ = ["DispatchBudget", "DispatchRule", "ForcedSchedule", "PlacementController", "share_groups"]

@@ -207,3 +207,12 @@ def test_reflow_per_step_rule_never_deadlocks(seed, num_rollout, num_shards):
         "reflow", random.Random(seed), delta=2, interval=2, sigma=0.5, num_rollout=num_rollout, num_shards=num_shards
     )
     assert len(trained) == 12 and all(len(ages) >= 4 for ages in trained)  # >= b(1 - sigma) fresh per step
+
+
+def test_forced_schedule_is_a_placement_controller():
+    from reflow.scheduler import ForcedSchedule, PlacementController
+
+    schedule = ForcedSchedule([(4, 1), (8, 2)])
+    assert isinstance(schedule, PlacementController)
+    assert [schedule.decide(step, 2 if step <= 4 else 1, []) for step in (2, 4, 6, 8)] == [None, 1, None, 2]
+    assert schedule.decide(4, 1, []) is None  # already there

@@ -1,0 +1,29 @@
+"""Who decides the placement: the interface a placement controller implements, and the forced schedule.
+
+At every weight-sync point trainer rank 0 asks the run's controller whether to change the placement; the
+answer is broadcast to the trainer ranks and, when it is a change, the run performs it at once
+(``reflow.modes.decoupled``). A controller is plain Python: measurements in, a decision out.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PlacementController(Protocol):
+    def decide(self, step: int, replicas: int, window: list[dict]) -> int | None:
+        """After trainer step ``step`` (a sync point), with ``replicas`` trainer replicas now and ``window`` the
+        metrics rows since the last decision: the replica count to move to, or None to stay."""
+        ...
+
+
+class ForcedSchedule:
+    """placement.schedule: after step s, move to n replicas, for each (s, n), whatever the measurements say."""
+
+    def __init__(self, changes: list[tuple[int, int]]):
+        self.changes = dict(changes)
+
+    def decide(self, step: int, replicas: int, window: list[dict]) -> int | None:
+        target = self.changes.get(step)
+        return target if target is not None and target != replicas else None
