@@ -23,7 +23,7 @@ import time
 
 from reflow.config import ConfigError, ConfigManager, JobConfig, format_config
 from reflow.config.validate import mode_warnings, parse_schedule, validate, validate_recipe, validate_world
-from reflow.distributed.placement import build_placement, feasible_placements
+from reflow.distributed.placement import feasible_placements
 from reflow.model.recipe import load_recipe, resolve_path
 
 logger = logging.getLogger("reflow")
@@ -39,6 +39,7 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
 
     world = int(os.environ.get("WORLD_SIZE", "0")) or _planned_world_size(cfg)
     placement = validate_world(cfg, world, manager.where)
+    schedule = parse_schedule(cfg, placement, manager.where) if cfg.placement.schedule else []
     recipe = load_recipe(cfg.model.recipe)
     warnings = validate_recipe(cfg, recipe, placement, manager.where) + mode_warnings(cfg, manager.where)
     model_cfg = build_model_config(recipe, cfg.model.attention)
@@ -57,6 +58,7 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
             {
                 "placement": placement.describe(),
                 "feasible_placements": [p.name for p in feasible_placements(world, placement.shard_degree, placement.colocated)],
+                "placement_schedule": [{"after_step": step, "trainer_replicas": replicas} for step, replicas in schedule],
                 "recipe": recipe.path,
                 "num_params": n,
                 "trainer_param_bytes_per_rank": 4 * n // placement.shard_degree,
@@ -93,9 +95,9 @@ def pin_local_gpu() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = local
 
 
-def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
-    """Build every rank's components. ``recipe``, ``placement`` and ``warnings`` come from the checks
-    ``main`` ran before any rank started building."""
+def build_components(cfg: JobConfig, recipe, placement, schedule: list[tuple[int, int]], warnings: list[str]):
+    """Build every rank's components. ``recipe``, ``placement``, ``schedule`` (placement.schedule parsed) and
+    ``warnings`` come from the checks ``main`` ran before any rank started building."""
     import torch
 
     from reflow.checkpoint import CheckpointManager
@@ -135,7 +137,6 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # every feasible placement's trainer layout: meshes and groups are collective to build, so every placement a
     # controller may choose exists from now on
-    schedule = parse_schedule(cfg, placement) if cfg.placement.schedule else []
     feasible = feasible_placements(world, placement.shard_degree, placement.colocated)
     replica_counts = [p.replicate_degree for p in feasible]
     layouts = build_trainer_layouts(world, placement.shard_degree, replica_counts)
@@ -167,9 +168,8 @@ def build_components(cfg: JobConfig, recipe, placement, warnings: list[str]):
     sync_dtype = torch.float32 if device.type == "cpu" else getattr(torch, recipe.vllm.dtype)
     plan = build_sync_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.weight_sync.bucket_size_mb, sync_dtype)
     weight_syncs = {}
-    for replicas in sorted(replica_counts, reverse=True):  # the same order on every rank: new_group inside
-        there = build_placement(world, replicas, placement.shard_degree, world - replicas * placement.shard_degree)
-        weight_syncs[replicas] = WeightSync(there, plan, rank, device)
+    for there in feasible:  # the same order on every rank: new_group inside
+        weight_syncs[there.replicate_degree] = WeightSync(there, plan, rank, device)
     weight_sync = weight_syncs[placement.replicate_degree]
     # 6. the rest
     return Components(
@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(cfg, manager)
         # the placement against torchrun's world size, before any rank builds anything
         placement = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), manager.where)
+        schedule = parse_schedule(cfg, placement, manager.where) if cfg.placement.schedule else []
         recipe = load_recipe(cfg.model.recipe)
         warnings = validate_recipe(cfg, recipe, placement, manager.where) + mode_warnings(cfg, manager.where)
     except (ConfigError, ValueError) as e:
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from reflow.modes import MODES
 
-    parts = build_components(cfg, recipe, placement, warnings)
+    parts = build_components(cfg, recipe, placement, schedule, warnings)
     mode = MODES[cfg.training.mode](parts)
     t0 = time.time()
     mode.run()

@@ -103,8 +103,6 @@ def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default")
                 "from generation: set placement.num_rollout_ranks >= 1"
             )
         _validate_decoupled(cfg, placement, where)
-    if cfg.placement.schedule:
-        parse_schedule(cfg, placement, where)
     if cfg.training.mode == "sync" and cfg.training.prompts_per_step % world_size:
         raise ConfigError(
             f"{where('training.prompts_per_step')}: 'training.prompts_per_step' = {cfg.training.prompts_per_step} "

@@ -150,17 +150,21 @@ class Inbox:
 
 
 class ControlChannel:
-    """Trainer rank 0 -> rollout ranks: commands (any picklable object), in order, over their own process group."""
+    """Leader -> recipients: commands (any picklable object), in order, over their own process group.
 
-    def __init__(self, group, rank: int, leader: int, rollout_ranks: list[int]):
+    Every recipient can be sent to; which of them a command goes to is the caller's choice (in a decoupled run,
+    the ranks that generate now)."""
+
+    def __init__(self, group, rank: int, leader: int, recipients: list[int]):
         self.rank = rank
         self.leader = leader
-        self.rollout_ranks = rollout_ranks
+        self.recipients = recipients
         self.outbox = Outbox(group, "control") if rank == leader else None
-        self.inbox = Inbox(group, [leader], "control") if rank in rollout_ranks else None
+        self.inbox = Inbox(group, [leader], "control") if rank in recipients else None
 
-    def broadcast(self, command: Any) -> None:
-        for r in self.rollout_ranks:
+    def broadcast(self, command: Any, ranks: list[int]) -> None:
+        """The same command to each of ``ranks`` (recipients)."""
+        for r in ranks:
             self.send(r, command)
 
     def send(self, rank: int, command: Any) -> None:
@@ -168,7 +172,7 @@ class ControlChannel:
         self.outbox.put(rank, command, CONTROL)
 
     def poll(self) -> list[Any]:
-        """Commands that arrived (rollout ranks); never blocks."""
+        """Commands that arrived (recipients); never blocks."""
         return [m.body for m in self.inbox.drain() if m.kind == CONTROL] if self.inbox else []
 
     def wait(self, timeout: float | None = None) -> Any | None:
@@ -179,6 +183,6 @@ class ControlChannel:
 
     def close(self) -> None:
         if self.outbox is not None:
-            self.outbox.close(self.rollout_ranks)
+            self.outbox.close(self.recipients)
         if self.inbox is not None:
             self.inbox.join()

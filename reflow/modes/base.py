@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,11 +40,11 @@ class Components:
     eval_problems: list[Problem]
     logger: MetricsLogger
     checkpoints: CheckpointManager
-    layouts: dict = field(default_factory=dict)
-    """Trainer layouts (mesh and group) of every placement the run may use, by replica count."""
-    weight_syncs: dict = field(default_factory=dict)
-    """The weight sync of every placement the run may use, by trainer replica count."""
-    schedule: list = field(default_factory=list)
+    layouts: dict
+    """Trainer layouts (mesh and group) of every feasible placement, by trainer replica count."""
+    weight_syncs: dict
+    """The weight sync of every feasible placement, by trainer replica count."""
+    schedule: list
     """Forced placement changes: (after step, trainer replicas), from placement.schedule."""
 
 

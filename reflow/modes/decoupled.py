@@ -179,7 +179,7 @@ class DecoupledMode(ModeBase):
         self.ledger: dict = {
             "received": [], "consumed": [], "steps": [], "evicted_unused": [], "evicted_replayable": 0,
             "handed_over_unused": [], "handed_in_unused": [], "left_unused": [], "transitions": [],
-            "started": [], "sent": [], "forwarded": [], "dropped_at_stop": [],
+            "started": [], "sent": [], "dropped_at_stop": [],
         }
         self.shares: list | None = None  # the rollout ranks' prompt shares, made once the resume point is known
         self.controller: PlacementController | None = ForcedSchedule(parts.schedule) if parts.schedule else None
@@ -219,11 +219,11 @@ class DecoupledMode(ModeBase):
 
     @property
     def trainer_group(self):
-        return self.parts.layouts[self.placement.replicate_degree].group if self.parts.layouts else self.parts.trainer_group
+        return self.parts.layouts[self.placement.replicate_degree].group
 
     @property
     def weight_sync(self):
-        return self.parts.weight_syncs.get(self.placement.replicate_degree, self.parts.weight_sync)
+        return self.parts.weight_syncs[self.placement.replicate_degree]
 
     # ================================================================ trainer side
 
@@ -237,8 +237,10 @@ class DecoupledMode(ModeBase):
                 if not self.is_trainer:
                     raise RuntimeError(f"rank {self.rank} generates but received samples from rank {message.src}")
                 self.buffer.add(samples)
-                key = "received" if body["type"] == "group" else "handed_in_unused"
-                self.ledger[key].extend(s.uid for s in samples if body["type"] == "group" or s.use_count == 0)
+                if body["type"] == "group":
+                    self.ledger["received"].extend(s.uid for s in samples)
+                else:  # a leaving shard's buffer: only its unused samples still await their fate
+                    self.ledger["handed_in_unused"].extend(s.uid for s in samples if s.use_count == 0)
             elif body["type"] == "stats":
                 self.rollout_stats[message.src] = body
             elif body["type"] == "flush":
@@ -289,8 +291,7 @@ class DecoupledMode(ModeBase):
     def _sync_weights(self) -> None:
         parts = self.parts
         if self.rank == self.control.leader:
-            for rank in self.rollout_ranks:
-                self.control.send(rank, SyncWeights(self.version))
+            self.control.broadcast(SyncWeights(self.version), self.rollout_ranks)
         self._evict_stale()
         self.weight_sync.sync(parts.trainer, parts.engine, self.version)
 
@@ -379,8 +380,7 @@ class DecoupledMode(ModeBase):
                 self.change_to = None
                 history += self.train_loop()
                 if self.rank == self.control.leader:
-                    for rank in self.rollout_ranks:
-                        self.control.send(rank, Transition(self.change_to) if self.change_to else Stop())
+                    self.control.broadcast(Transition(self.change_to) if self.change_to else Stop(), self.rollout_ranks)
                 target = self.change_to
             else:
                 worker = self._rollout_worker()

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from reflow.config import ConfigError, ConfigManager
-from reflow.config.validate import validate, validate_world
+from reflow.config.validate import parse_schedule, validate, validate_world
 from tests.conftest import ROOT
 
 
@@ -239,18 +239,19 @@ def test_bad_placement_schedules_are_rejected_before_ranks_start(schedule, words
     cfg = m.parse_args(args)
     validate(cfg, m.where)
     with pytest.raises(ConfigError) as err:
-        validate_world(cfg, 4, m.where)
+        parse_schedule(cfg, validate_world(cfg, 4, m.where), m.where)
     assert "'placement.schedule'" in str(err.value) and words in str(err.value), str(err.value)
 
 
 def test_placement_schedule_needs_reflow_mode_and_no_checkpoint():
     base = ["--placement.num_rollout_ranks=2", "--placement.trainer_replicate_degree=2", '--placement.schedule=["2:1"]', "--weight_sync.interval=1"]
-    with pytest.raises(ConfigError, match="'reflow' mode only"):
-        validate_world(ConfigManager().parse_args(["--training.mode=async", *base]), 4)
-    with pytest.raises(ConfigError, match="checkpoint.enable"):
-        validate_world(ConfigManager().parse_args(["--training.mode=reflow", "--checkpoint.enable=true", *base]), 4)
-    from reflow.config.validate import parse_schedule
-
+    for args, words in (
+        (["--training.mode=async"], "'reflow' mode only"),
+        (["--training.mode=reflow", "--checkpoint.enable=true"], "checkpoint.enable"),
+    ):
+        cfg = ConfigManager().parse_args([*args, *base])
+        with pytest.raises(ConfigError, match=words):
+            parse_schedule(cfg, validate_world(cfg, 4))
     m = ConfigManager()
     cfg = m.parse_args(["--training.mode=reflow", *base])
     assert parse_schedule(cfg, validate_world(cfg, 4, m.where)) == [(2, 1)]
