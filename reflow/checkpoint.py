@@ -1,7 +1,9 @@
 """Distributed checkpoints of the trainer (model and optimizer shards, step, policy version).
 
 Saved with torch.distributed.checkpoint under <dump_folder>/<checkpoint.folder>/step-N,
-over the trainer ranks' process group. A checkpoint directory is only
+over the process group of the ranks that train at that step (the placement may have changed since
+startup; the checkpoint records the trainer replica count, and DCP reshards the state when a run
+loads it onto another placement). A checkpoint directory is only
 considered complete once its ``.metadata`` file exists, so a run killed
 mid-save resumes from the previous one.
 """
@@ -18,12 +20,11 @@ from reflow.config.job_config import JobConfig
 
 
 class CheckpointManager:
-    def __init__(self, cfg: JobConfig, group):
+    def __init__(self, cfg: JobConfig):
         self.enabled = cfg.checkpoint.enable
         self.interval = cfg.checkpoint.interval
         self.folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         self.load_step = cfg.checkpoint.load_step
-        self.group = group
 
     def _path(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}")
@@ -44,7 +45,7 @@ class CheckpointManager:
     def save(self, step: int, trainer, extra: dict) -> str:
         state = {"trainer": trainer.state_dict(), "extra": dict(extra)}
         path = self._path(step)
-        dcp.save(state, checkpoint_id=path, process_group=self.group)
+        dcp.save(state, checkpoint_id=path, process_group=trainer.group)
         return path
 
     def _choose_step(self) -> int:
@@ -78,8 +79,9 @@ class CheckpointManager:
             return None
         extra = [None]
         if trainer is not None and trainer.active:
-            state = {"trainer": trainer.state_dict(), "extra": {"step": 0, "policy_version": 0, "prompts_drawn": 0}}
-            dcp.load(state, checkpoint_id=self._path(step), process_group=self.group)
+            state = {"trainer": trainer.state_dict(), "extra": {"step": 0, "policy_version": 0, "prompts_drawn": 0,
+                                                                 "trainer_replicas": 0}}
+            dcp.load(state, checkpoint_id=self._path(step), process_group=trainer.group)
             trainer.load_state_dict(state["trainer"])
             extra = [state["extra"]]
         dist.broadcast_object_list(extra, src=0)  # rank 0 is always a trainer rank

@@ -187,7 +187,7 @@ def build_components(cfg: JobConfig, recipe, placement, schedule: list[tuple[int
         train_problems=train_problems,
         eval_problems=eval_problems,
         logger=log,
-        checkpoints=CheckpointManager(cfg, trainer_group),
+        checkpoints=CheckpointManager(cfg),
         layouts=layouts,
         weight_syncs=weight_syncs,
         schedule=schedule,

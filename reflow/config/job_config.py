@@ -174,7 +174,7 @@ class Checkpoint:
     interval: int = 50
     """Steps between checkpoints."""
     folder: str = "checkpoint"
-    """Sub-folder of dump_folder."""
+    """Sub-folder of dump_folder (an absolute path is used as is: a run can resume from another run's checkpoints)."""
     load_step: int = -1
     """Resume from this step (-1: latest found, if any)."""
     export_hf: bool = True

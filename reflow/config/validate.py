@@ -126,8 +126,6 @@ def parse_schedule(cfg: JobConfig, placement, where=lambda key: "default") -> li
 
     if cfg.training.mode != "reflow":
         fail(f"is supported in 'reflow' mode only (got training.mode = {cfg.training.mode!r})")
-    if cfg.checkpoint.enable:
-        fail("cannot be combined with checkpoint.enable yet (a checkpoint does not record the placement)")
     out: list[tuple[int, int]] = []
     previous_step, replicas_now = 0, placement.replicate_degree
     most = (placement.world_size - 1) // placement.shard_degree

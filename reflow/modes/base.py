@@ -83,6 +83,8 @@ class ModeBase:
         self._drawn = 0
         self._train_start: float | None = None
         self.finished = False
+        self.resumed_replicas: int | None = None
+        """Trainer replicas when the checkpoint this run resumed from was saved."""
 
     # ---- data ---------------------------------------------------------------
 
@@ -111,6 +113,7 @@ class ModeBase:
         self.step = int(extra["step"])
         self.version = int(extra["policy_version"])
         self._skip_prompts(int(extra.get("prompts_drawn", 0)))
+        self.resumed_replicas = int(extra["trainer_replicas"])
         # the engines still hold the initial weights
         parts.weight_sync.sync(parts.trainer, parts.engine, self.version)
         parts.logger.info(f"resumed from step {self.step} (policy version {self.version})")
@@ -156,7 +159,10 @@ class ModeBase:
             if self.step % cfg.metrics.log_freq == 0 or last:
                 parts.logger.log(self.step, row)
             if parts.checkpoints.should_save(self.step, last):
-                extra = {"step": self.step, "policy_version": self.version, "prompts_drawn": self.prompts_drawn()}
+                extra = {
+                    "step": self.step, "policy_version": self.version, "prompts_drawn": self.prompts_drawn(),
+                    "trainer_replicas": parts.trainer.layout.replicas,
+                }
                 path = parts.checkpoints.save(self.step, parts.trainer, extra)
                 parts.logger.info(f"checkpoint saved: {path}")
             if last:

@@ -374,6 +374,16 @@ class DecoupledMode(ModeBase):
         self.shares = initial_shares(len(self.rollout_ranks), self._drawn)
         if self.is_trainer:
             self.buffer.start_version = self.version  # the engines start (or resume) on this version
+        if self.resumed_replicas not in (None, self.placement.replicate_degree):
+            # resumed from a checkpoint saved on another placement: take it up again before the first step
+            # (nothing is in flight yet; every rank knows the saved placement)
+            if self.resumed_replicas in self.parts.layouts:
+                self._transition(self.resumed_replicas)
+            else:
+                self.parts.logger.info(
+                    f"the checkpoint was saved with {self.resumed_replicas} trainer replicas, not feasible on this "
+                    f"world; continuing on {self.placement.name}"
+                )
         history = []
         while True:
             if self.is_trainer:

@@ -43,12 +43,19 @@ def rewrap(tensor: DTensor, mesh) -> DTensor:
 def adopt(skeleton: torch.nn.Module, mesh, sources: dict[str, torch.Tensor]) -> list[str]:
     """Make ``skeleton``'s parameters the given local shards (zero-copy). Returns the names FSDP copied.
 
-    ``sources`` maps each parameter name to a local tensor of the shard's shape on this rank."""
-    state = {}
-    for name, param in skeleton.named_parameters():
-        state[name] = DTensor.from_local(
-            sources[name], mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
+    ``sources`` maps each parameter name (``named_parameters``: a tied parameter under its first name) to a
+    local tensor of the shard's shape on this rank. Tied names (the embedding and the LM head of a model
+    with ``enable_weight_tying``) get one ``Parameter`` object, so they stay one parameter."""
+    state, by_identity = {}, {}
+    first_names = {id(param): name for name, param in skeleton.named_parameters()}
+    for name, param in skeleton.named_parameters(remove_duplicate=False):
+        if id(param) not in by_identity:
+            local = DTensor.from_local(
+                sources[first_names[id(param)]], mesh, param.placements, run_check=False, shape=param.shape,
+                stride=param.stride(),
+            )
+            by_identity[id(param)] = torch.nn.Parameter(local, requires_grad=param.requires_grad)
+        state[name] = by_identity[id(param)]
     skeleton.load_state_dict(state, strict=True, assign=True)
     return [name for name, param in skeleton.named_parameters() if param.to_local().data_ptr() != sources[name].data_ptr()]
 

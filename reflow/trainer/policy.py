@@ -174,9 +174,6 @@ class PolicyTrainer:
         Returns what this rank did (``ResizeReport``)."""
         if replicas not in self.layouts:
             raise ValueError(f"no trainer layout with {replicas} replicas was built at startup (have {sorted(self.layouts)})")
-        if self.model_config.enable_weight_tying:
-            # load_state_dict(assign=True) would give the two tied names two parameters; untested, so refused
-            raise NotImplementedError("resizing a model with tied embeddings is not supported yet")
         old, new = self.layout, self.layouts[replicas]
         report = ResizeReport(source=old.name, target=new.name)
         if replicas == old.replicas:

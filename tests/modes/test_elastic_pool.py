@@ -15,6 +15,7 @@ def test_reflow_run_changes_placement_both_ways_and_loses_nothing(tmp_path):
             "--training.steps=12", "--replay.sigma=0.5", "--replay.delta=2", "--weight_sync.interval=2",
             "--placement.trainer_replicate_degree=2", "--placement.trainer_shard_degree=1",
             '--placement.schedule=["4:1", "8:2"]', "--checkpoint.export_hf=true",
+            "--checkpoint.enable=true", "--checkpoint.interval=6",
         ],
     )
     assert [r["step"] for r in rows] == list(range(1, 13))
@@ -34,3 +35,23 @@ def test_reflow_run_changes_placement_both_ways_and_loses_nothing(tmp_path):
     assert {c["step"] for c in by_rank[1]["consumed"]} <= set(range(1, 5)) | set(range(9, 13))
     assert_no_sample_lost_or_duplicated(rows, ledgers)
     assert os.path.exists(os.path.join(tmp_path, "reflow", "hf_final", "model.safetensors"))
+
+    # resume from step 6, saved by the single replica of T1x1+R3, onto a run that starts as T2x1+R2: the
+    # checkpoint loads resharded, the run takes up the saved placement before its first step, and the
+    # schedule's next change still happens
+    checkpoints = os.path.join(tmp_path, "reflow", "checkpoint")
+    resumed, resumed_ledgers = _run(
+        tmp_path / "resumed", 4, "reflow", 2,
+        [
+            "--training.steps=10", "--replay.sigma=0.5", "--replay.delta=2", "--weight_sync.interval=2",
+            "--placement.trainer_replicate_degree=2", "--placement.trainer_shard_degree=1",
+            '--placement.schedule=["4:1", "8:2"]', "--checkpoint.enable=true", f"--checkpoint.folder={checkpoints}",
+            "--checkpoint.load_step=6", "--checkpoint.interval=100",
+        ],
+    )
+    assert [r["step"] for r in resumed] == [7, 8, 9, 10]
+    assert [r["placement"] for r in resumed] == ["T1x1+R3"] * 2 + ["T2x1+R2"] * 2
+    assert resumed[0]["policy_version"] == 7
+    changes = [json.loads(line) for line in open(os.path.join(tmp_path, "resumed", "reflow", "metrics.jsonl")) if "transition" in line]
+    assert [c["transition"] for c in changes] == ["T2x1+R2 -> T1x1+R3", "T1x1+R3 -> T2x1+R2"]
+    assert_no_sample_lost_or_duplicated(resumed, resumed_ledgers)

@@ -28,3 +28,16 @@ def test_resize_is_bitwise_equal_to_a_fixed_placement(tmp_path):
     assert grow[0]["bytes_moved"] == shrink[1]["bytes_moved"]  # both fill 2 joining ranks with half a replica each
     assert all(t["copied_not_aliased"] == 0 for t in shrink + grow)  # staying ranks adopted their shards, no copy
     assert 3 * shrink[1]["broadcasts"] < shrink[1]["tensors"]  # bucketized: a few flat broadcasts, not one per tensor
+
+
+def test_resize_keeps_a_tied_lm_head_tied_and_bitwise_equal(tmp_path):
+    """Qwen3 0.6B-4B tie the LM head to the embedding: the two names stay one parameter through every resize
+    (the script asserts it on every rank), and training stays bitwise equal to a fixed placement."""
+    out = tmp_path / "report.json"
+    run_torchrun(4, ["tests/trainer/scripts/elastic_resize.py", str(out), "tied"])
+    rep = json.loads(out.read_text())
+    assert rep["moved"][1] > 1e-4
+    assert all(equal for equal, _ in rep["shrink_equal"]), rep["shrink_equal"]
+    assert rep["grow_equal_final"][0], rep["grow_equal_final"]
+    hf_config = json.loads((tmp_path / "tiny-qwen3-tied" / "config.json").read_text())
+    assert hf_config["tie_word_embeddings"] is True

@@ -1,5 +1,6 @@
 """4 ranks, trainer placements 2x2 and 1x2 (dp_replicate x dp_shard): does resizing the replica dimension
-change the training? Writes a JSON report to argv[1].
+change the training? Writes a JSON report to argv[1]. With argv[2] == "tied", the tiny model with its LM head
+tied to the embedding (as Qwen3 0.6B-4B), and only the fixed, shrink and grow runs.
 
 Every run trains the same global batch per step, cut into 4 virtual data-parallel ranks (2 replicas x 2
 shards, the largest placement); the rank at (replica r, shard s) of an n-replica placement serves virtual
@@ -15,6 +16,8 @@ The KL penalty is on (the frozen reference moves too) and each step makes two mi
 
 import dataclasses
 import json
+import os
+import shutil
 import sys
 
 import torch
@@ -32,6 +35,25 @@ assert world == 4
 SHARD, MOST = 2, 2
 recipe = load_recipe("tiny")
 hf_dir = resolve_path(recipe.hf_checkpoint)
+TIED = len(sys.argv) > 2 and sys.argv[2] == "tied"
+if TIED:
+    # the tiny checkpoint without its LM head, declared tied: the head is the embedding
+    from safetensors.torch import load_file, save_file
+
+    tied_dir = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "tiny-qwen3-tied")
+    if rank == 0:
+        shutil.copytree(hf_dir, tied_dir)
+        weights = load_file(os.path.join(hf_dir, "model.safetensors"))
+        del weights["lm_head.weight"]
+        save_file(weights, os.path.join(tied_dir, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tied_dir, "config.json")) as f:
+            hf_config = json.load(f)
+        hf_config["tie_word_embeddings"] = True
+        with open(os.path.join(tied_dir, "config.json"), "w") as f:
+            json.dump(hf_config, f)
+    dist.barrier()
+    hf_dir = tied_dir
+    recipe = dataclasses.replace(recipe, architecture=dataclasses.replace(recipe.architecture, tie_embeddings=True))
 layouts = build_trainer_layouts(world, SHARD, [2, 1])
 
 
@@ -91,6 +113,9 @@ def run(schedule: list[tuple[int, int]], micro_batch_size: int = 2):
             step += 1
         snapshots.append([t.clone() for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)] if trainer.active else None)
         transitions.append({"active_ranks": active_ranks(trainer.active)})
+        if trainer.active and TIED:  # one parameter for the embedding and the LM head, in every placement
+            assert trainer.model.tok_embeddings.weight is trainer.model.lm_head.weight
+            assert len(trainer.optimizer.param_groups[0]["params"]) == len(list(trainer.model.parameters()))
     return initial, snapshots, transitions
 
 
@@ -135,17 +160,18 @@ def compare(a, b) -> tuple[bool, float]:
 initial, fixed, _ = run([(2, 2), (2, 2), (2, 2)])
 _, shrink, shrink_moves = run([(2, 2), (1, 2), (2, 2)])
 _, grow, grow_moves = run([(1, 2), (1, 1), (2, 3)])
-_, fine, _ = run([(2, 2), (1, 2), (2, 2)], micro_batch_size=1)
-_, fixed_fine, _ = run([(2, 2), (2, 2), (2, 2)], micro_batch_size=1)
 report = {
     # after every phase, on every rank that holds a shard in both runs
     "shrink_equal": [compare(a, b) for a, b in zip(shrink, fixed)],
     "grow_equal_final": compare(grow[-1], fixed[-1]),
-    "fine_vs_fixed": compare(fine[-1], fixed_fine[-1]),
     "moved": compare(fixed[-1][:1] if fixed[-1] else None, initial[:1] if initial else None),  # a parameter
     "shrink_transitions": shrink_moves,
     "grow_transitions": grow_moves,
 }
+if not TIED:
+    _, fine, _ = run([(2, 2), (1, 2), (2, 2)], micro_batch_size=1)
+    _, fixed_fine, _ = run([(2, 2), (2, 2), (2, 2)], micro_batch_size=1)
+    report["fine_vs_fixed"] = compare(fine[-1], fixed_fine[-1])
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f)
