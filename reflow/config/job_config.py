@@ -74,6 +74,10 @@ class Training:
     """Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style centring."""
     is_truncation: float = 2.0
     """Truncated importance weight cap against vLLM behavior log-probs (<= 0 disables the correction)."""
+    offload_while_generating: bool = True
+    """'sync' mode on CUDA: the trainer's parameter shards, AdamW moments and frozen reference wait in pinned
+    host memory while the colocated engine generates (and the engine sleeps while the trainer trains).
+    No effect on CPU, where both share host memory."""
 
 
 @dataclass

@@ -175,7 +175,8 @@ class DecoupledMode(ModeBase):
         self.outbox = Outbox(data_group, "data")
         self.steps_done = 0
         self.buffer: ReplayBuffer | None = None
-        self.rollout_stats: dict[int, dict] = {}
+        self.rollout_stats: dict[int, dict] = {}  # rank 0: busy/idle seconds per rollout rank since the last step
+        self.last_idle_ratio = 0.0
         self.ledger: dict = {
             "received": [], "consumed": [], "steps": [], "evicted_unused": [], "evicted_replayable": 0,
             "handed_over_unused": [], "handed_in_unused": [], "left_unused": [], "transitions": [],
@@ -201,6 +202,7 @@ class DecoupledMode(ModeBase):
         self.batch_per_shard = cfg.training.prompts_per_step * cfg.training.group_size // len(self.trainer_ranks)
         self.is_trainer = placement.is_trainer(self.rank)
         self.published = None
+        self.rollout_stats = {}  # the previous placement's rollout ranks do not count in the new one's ratio
         if self.is_trainer:
             self.shard_index = self.trainer_ranks.index(self.rank)
             self.retired = [0] * len(self.rollout_ranks)  # this shard's retirements, per rollout rank
@@ -241,8 +243,10 @@ class DecoupledMode(ModeBase):
                     self.ledger["received"].extend(s.uid for s in samples)
                 else:  # a leaving shard's buffer: only its unused samples still await their fate
                     self.ledger["handed_in_unused"].extend(s.uid for s in samples if s.use_count == 0)
-            elif body["type"] == "stats":
-                self.rollout_stats[message.src] = body
+            elif body["type"] == "stats":  # busy and idle seconds since the sender's last report
+                window = self.rollout_stats.setdefault(message.src, {"busy_s": 0.0, "idle_s": 0.0})
+                window["busy_s"] += body["busy_s"]
+                window["idle_s"] += body["idle_s"]
             elif body["type"] == "flush":
                 self.flushed.add(message.src)
 
@@ -348,9 +352,15 @@ class DecoupledMode(ModeBase):
         return row
 
     def _rollout_idle_ratio(self) -> float:
+        """Idle share of the rollout ranks' time reported since the previous step (rank 0 receives the reports;
+        0 elsewhere), then a new window starts. A step shorter than the report period (about 1 s) repeats the
+        previous window's ratio."""
         idle = sum(s["idle_s"] for s in self.rollout_stats.values())
         busy = sum(s["busy_s"] for s in self.rollout_stats.values())
-        return idle / (idle + busy) if idle + busy > 0 else 0.0
+        if idle + busy > 0:
+            self.rollout_stats = {}
+            self.last_idle_ratio = idle / (idle + busy)
+        return self.last_idle_ratio
 
     # ================================================================ rollout side
 

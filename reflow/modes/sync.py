@@ -4,7 +4,8 @@ Every rank is both a trainer shard and a rollout engine. Each step:
 
   1. dispatch   all ranks draw the same P prompts; rank r takes prompts r, r+W, ...
                 and asks its engine for G samples of each (a group stays on one rank)
-  2. rollout    generate to completion with the current weights (version v)
+  2. rollout    generate to completion with the current weights (version v); on CUDA the trainer's
+                state waits in pinned host memory meanwhile (training.offload_while_generating)
   3. score      task reward, group-normalized advantages
   4. train      one trainer step (FSDP2 across all ranks) on the local samples
   5. sync       gather on the trainer mesh -> vLLM reload_weights (version v+1)
@@ -44,22 +45,26 @@ class SyncMode(ModeBase):
                 parts.cfg.job.seed, self.version,
             )
         ]
-        # 2. rollout with the current weights; the engine then frees its memory for training (GPU)
+        # 2. rollout with the current weights; the trainer's state waits in host memory meanwhile and the engine
+        #    frees its memory for training afterwards (both on CUDA only)
         with timer("gen"):
+            parts.trainer.park("optimizer", "parameters")
             finished = parts.engine.generate(requests)
             parts.engine.sleep()
         # 3. score
         samples = score(finished, parts.task, parts.tokenizer)
         assign_advantages(samples, training.normalize_adv_std, training.advantage_eps)
         batch = to_batch(samples, parts.tokenizer.pad_id)
-        # 4. train
+        # 4. train (the parked state comes back first)
         with timer("train"):
             stats = parts.trainer.train_step(batch)
         trained_version = self.version
         self.version += 1
-        # 5. sync the new weights into every engine (load_weights wakes it first)
+        # 5. sync the new weights into every engine (load_weights wakes it first; the optimizer state, which the
+        #    sync does not read, leaves the device before the engine takes it)
         with timer("sync"):
             if self.version % parts.cfg.weight_sync.interval == 0:
+                parts.trainer.park("optimizer")
                 parts.weight_sync.sync(parts.trainer, parts.engine, self.version)
         return self.step_metrics(
             samples, samples, stats, timer, trained_version,

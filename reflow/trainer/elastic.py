@@ -13,7 +13,10 @@ joining rank, fill its shards:
               dim 0 does not divide by the shard degree). AdamW's moments are re-wrapped the same way and
               the ``step`` tensors carried over: same storage, new mesh.
   leave       ``release``: the storage of the parameter, moment and reference shards is freed (the
-              module objects stay; on CUDA the bytes return to the caching allocator).
+              module objects stay; on CUDA the bytes return to the caching allocator). Freed, not parked
+              in host memory as a colocated rank's state is (``reflow.trainer.offload``): the staying
+              replicas keep training, so a parked copy would be stale by the time the rank rejoins, and a
+              joining rank receives current shards anyway.
   join        ``adopt`` of fresh zero shards, then ``shard_tensors`` lists what to receive: shard s's
               parameters, AdamW moments and step counters, and the frozen reference's parameters, in one
               canonical order that every rank derives alone. ``reflow.distributed.buckets`` moves them

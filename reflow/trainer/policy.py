@@ -37,6 +37,7 @@ from reflow.distributed.buckets import broadcast_tensors
 from reflow.distributed.utils import TrainerLayout
 from reflow.trainer.elastic import adopt, carry_optimizer_state, local_shards, release, shard_tensors, zero_optimizer_state, zero_shards
 from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
+from reflow.trainer.offload import HostParking
 from reflow.trainer.parallelize import apply_fsdp
 
 
@@ -132,6 +133,8 @@ class PolicyTrainer:
             # 4. AdamW over the local shards, its state created now so a transfer or a checkpoint can fill it
             self.optimizer = self._new_optimizer(self.model)
             zero_optimizer_state(self.optimizer, self.model)
+        # 5. where the state waits while a colocated engine generates (CUDA; on CPU both share host memory)
+        self.parking = HostParking(pin=True) if device.type == "cuda" and cfg.training.offload_while_generating else None
 
     def _skeleton_pair(self, layout: TrainerLayout) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         def skeleton(trainable: bool) -> torch.nn.Module:
@@ -163,6 +166,37 @@ class PolicyTrainer:
     @property
     def mesh(self):
         return self.layout.mesh
+
+    # ---- offload while a colocated engine generates --------------------------------
+
+    def park(self, *what: str) -> int:
+        """Move trainer state to host memory (``reflow.trainer.offload``): "optimizer" (AdamW moments and the
+        frozen reference: the weight sync does not read them), "parameters". A no-op without ``parking``
+        (CPU, or training.offload_while_generating off) and for what is parked already. Returns the bytes."""
+        if self.parking is None or not self.active:
+            return 0
+        moved = 0
+        for name in what:
+            if name in self.parking:
+                continue
+            if name == "optimizer":
+                tensors = [state[key].to_local() for state in self.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+                tensors += list(local_shards(self.ref_model).values()) if self.ref_model is not None else []
+            elif name == "parameters":
+                tensors = list(local_shards(self.model).values())
+            else:
+                raise ValueError(f"park: unknown trainer state {name!r} (use 'optimizer' or 'parameters')")
+            moved += self.parking.park(name, tensors)
+        if moved and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the freed blocks go back to the device, for the engine to take
+        return moved
+
+    def unpark(self, *what: str) -> int:
+        """Parked state back on the device: ``what`` (default everything), before a train step, a checkpoint
+        or an export; the weight sync brings back the parameters it reads."""
+        if self.parking is None:
+            return 0
+        return sum(self.parking.unpark(name) for name in (what or ("optimizer", "parameters")))
 
     # ---- placement changes -----------------------------------------------------
 
@@ -299,6 +333,7 @@ class PolicyTrainer:
         segments = batch if isinstance(batch, list) else [batch]
         if not segments:
             raise ValueError("train_step needs at least one batch")
+        self.unpark()
         old_lps = self._segment_logprobs(segments)
         ref_lps = self._segment_logprobs(segments, self.ref_model) if self.ref_model is not None else [None] * len(segments)
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
@@ -398,11 +433,13 @@ class PolicyTrainer:
     # ---- weights out ---------------------------------------------------------
 
     def export_hf(self, out_dir: str, write: bool) -> None:
+        self.unpark()
         export_hf(self.model, self.adapter, out_dir, self.hf_dir, write)
 
     # ---- Stateful (distributed checkpoint) -------------------------------------
 
     def state_dict(self) -> dict:
+        self.unpark()
         opts = StateDictOptions()
         return {
             "model": get_model_state_dict(self.model, options=opts),

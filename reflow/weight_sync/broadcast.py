@@ -88,6 +88,8 @@ class WeightSync:
     def _stream(self, trainer):
         """Yield (hf_name, tensor) for this rank's engine, running the collectives bucket by bucket."""
         is_trainer = self.placement.is_trainer(self.rank)
+        if is_trainer:
+            trainer.unpark("parameters")
         state = trainer.model.state_dict() if is_trainer else None
         for bucket in self.plan.buckets:
             tensors = self._bucket_tensors(trainer, state, bucket) if is_trainer else None
