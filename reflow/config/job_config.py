@@ -94,6 +94,11 @@ class Rollout:
     """vLLM: max prompt + completion length."""
     kv_cache_gib: float = 1.0
     """CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_block_size: int = 0
+    """Tokens per KV-cache block; 0: vLLM's default (128 on CPU, 16 on GPU)."""
+    num_kv_blocks: int = 0
+    """KV-cache blocks per engine (vLLM's num_gpu_blocks_override); 0: vLLM sizes the cache from memory. A small
+    value makes a tiny model feel the KV pressure a large one feels (tests, benchmarks)."""
     gpu_memory_utilization: float = 0.5
     """GPU: fraction of the device vLLM may take (the trainer shares it)."""
     enforce_eager: bool = True
@@ -186,6 +191,34 @@ class Checkpoint:
 
 
 @dataclass
+class Scheduler:
+    """The adaptive scheduler (reflow.scheduler). With every part off, generation runs at rollout.max_num_seqs and
+    the placement changes only by placement.schedule."""
+
+    adaptive_concurrency: bool = False
+    """Slow controller: each rollout worker's concurrency cap follows its KV usage, KV growth and preemptions."""
+    kv_admission: bool = False
+    """Fast admission: a request group starts only while (predicted KV tokens + its estimate) / KV budget <= rho."""
+    adaptive_placement: bool = False
+    """Placement planner (reflow mode): move ranks between the trainer and rollout pools at sync points."""
+    alpha: float = 0.3
+    """EMA factor of the controller's averages (weight of the newest measurement)."""
+    rho: float = 0.9
+    """KV-budget fraction the admitted groups may be predicted to fill (above 1: over-commit, trading
+    preemptions for occupancy)."""
+    interval_s: float = 2.0
+    """Seconds between two updates of a worker's concurrency cap."""
+    response_percentile: float = 0.9
+    """Percentile of recent response lengths a new response is estimated at."""
+    cooldown_steps: int = 4
+    """Placement planner: trainer steps between two placement changes, at least."""
+    margin: float = 0.1
+    """Placement planner: a candidate's mismatch score must beat the current one's by this much (log units)."""
+    transition_cost_s: float = 2.0
+    """Placement planner: the cost of a placement change until one has been measured."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -197,3 +230,4 @@ class JobConfig:
     task: Task = field(default_factory=Task)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    scheduler: Scheduler = field(default_factory=Scheduler)

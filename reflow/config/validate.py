@@ -77,6 +77,40 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         fail("checkpoint.load_step", f"= {cfg.checkpoint.load_step} needs checkpoint.enable = true")
     if cfg.model.attention not in ("sdpa", "flex"):
         fail("model.attention", f"must be 'sdpa' or 'flex', got {cfg.model.attention!r}")
+    _validate_scheduler(cfg, fail)
+
+
+def _validate_scheduler(cfg: JobConfig, fail) -> None:
+    sched, mode = cfg.scheduler, cfg.training.mode
+    if cfg.rollout.kv_block_size < 0 or cfg.rollout.kv_block_size % 16:
+        fail("rollout.kv_block_size", f"must be 0 (vLLM's default) or a positive multiple of 16, got {cfg.rollout.kv_block_size}")
+    if cfg.rollout.num_kv_blocks < 0:
+        fail("rollout.num_kv_blocks", f"must be >= 0 (0: vLLM sizes the KV cache), got {cfg.rollout.num_kv_blocks}")
+    for key, value in (("scheduler.alpha", sched.alpha), ("scheduler.response_percentile", sched.response_percentile)):
+        if not 0 < value <= 1:
+            fail(key, f"must be in (0, 1], got {value}")
+    if not 0 < sched.rho <= 2:
+        fail("scheduler.rho", f"must be in (0, 2] (above 1 over-commits against the predicted lengths), got {sched.rho}")
+    if sched.interval_s <= 0:
+        fail("scheduler.interval_s", f"must be > 0, got {sched.interval_s}")
+    if sched.cooldown_steps < 1:
+        fail("scheduler.cooldown_steps", f"must be >= 1, got {sched.cooldown_steps}")
+    if sched.margin < 0:
+        fail("scheduler.margin", f"must be >= 0, got {sched.margin}")
+    if sched.transition_cost_s < 0:
+        fail("scheduler.transition_cost_s", f"must be >= 0, got {sched.transition_cost_s}")
+    for key, on in (("scheduler.adaptive_concurrency", sched.adaptive_concurrency), ("scheduler.kv_admission", sched.kv_admission)):
+        if on and mode not in ("async", "reflow"):
+            fail(
+                key,
+                f"applies to the rollout workers of 'async' and 'reflow' (training.mode = {mode!r}: "
+                + ("one_step_off admits each step's whole window at once by design)" if mode == "one_step_off" else "sync generates each batch whole)"),
+            )
+    if sched.adaptive_placement:
+        if mode != "reflow":
+            fail("scheduler.adaptive_placement", f"moves ranks in 'reflow' mode only (training.mode = {mode!r})")
+        if cfg.placement.schedule:
+            fail("scheduler.adaptive_placement", "and placement.schedule both decide the placement: set one of them")
 
 
 def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default"):

@@ -114,7 +114,11 @@ from reflow.modes.prompts import PromptStream, initial_shares, reassign
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.rollouts import Sample, to_batch
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
-from reflow.scheduler import DispatchBudget, DispatchRule, ForcedSchedule, PlacementController
+from reflow.scheduler import DispatchBudget, DispatchRule, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
+
+
+_SUMMED_ROLLOUT_STATS = ("busy_s", "idle_s", "engine_steps", "preemptions", "admitted_groups", "gate_refusals")
+"""Rollout-worker report fields that add up over a window."""
 
 
 @dataclass(frozen=True)
@@ -174,22 +178,42 @@ class DecoupledMode(ModeBase):
         self.inbox = Inbox(data_group, others, "data")
         self.outbox = Outbox(data_group, "data")
         self.steps_done = 0
+        self.received_in_window = 0  # samples that reached this shard since the previous step
         self.buffer: ReplayBuffer | None = None
         self.rollout_stats: dict[int, dict] = {}  # rank 0: busy/idle seconds per rollout rank since the last step
-        self.last_idle_ratio = 0.0
+        self.last_rollout_window: dict = {
+            "rollout_idle_ratio": 0.0, "rollout_busy_s": 0.0, "rollout_idle_s": 0.0, "kv_usage_mean": 0.0, "preemptions": 0,
+            "admitted_groups": 0, "gate_refusals": 0, "concurrency_caps": {}, "cap_changes": {},
+        }
         self.ledger: dict = {
             "received": [], "consumed": [], "steps": [], "evicted_unused": [], "evicted_replayable": 0,
             "handed_over_unused": [], "handed_in_unused": [], "left_unused": [], "transitions": [],
             "started": [], "sent": [], "dropped_at_stop": [],
         }
         self.shares: list | None = None  # the rollout ranks' prompt shares, made once the resume point is known
-        self.controller: PlacementController | None = ForcedSchedule(parts.schedule) if parts.schedule else None
+        self.controller = self._placement_controller()
         self.window: list[dict] = []  # metrics rows since the controller's last decision
         self.change_to: int | None = None
         self.flushed: set[int] = set()  # rollout ranks whose FLUSH arrived (placement changes)
         self._enter(parts.placement)
         if self.is_trainer and not parts.placement.is_rollout(parts.rank):
             parts.engine.sleep()  # frees accelerator memory while this rank trains
+
+    def _placement_controller(self) -> PlacementController | None:
+        parts, cfg = self.parts, self.parts.cfg
+        if parts.schedule:
+            return ForcedSchedule(parts.schedule)
+        if cfg.scheduler.adaptive_placement:
+            return PlacementPlanner(
+                PlannerSettings(
+                    world_size=parts.world_size, shard_degree=parts.placement.shard_degree,
+                    replica_options=tuple(sorted(parts.layouts)), sigma=self.settings.sigma,
+                    batch_size=cfg.training.prompts_per_step * cfg.training.group_size,
+                    cooldown_steps=cfg.scheduler.cooldown_steps, margin=cfg.scheduler.margin,
+                    transition_cost_s=cfg.scheduler.transition_cost_s,
+                )
+            )
+        return None
 
     # ================================================================ placement-dependent state
 
@@ -241,12 +265,16 @@ class DecoupledMode(ModeBase):
                 self.buffer.add(samples)
                 if body["type"] == "group":
                     self.ledger["received"].extend(s.uid for s in samples)
+                    self.received_in_window += len(samples)
                 else:  # a leaving shard's buffer: only its unused samples still await their fate
                     self.ledger["handed_in_unused"].extend(s.uid for s in samples if s.use_count == 0)
-            elif body["type"] == "stats":  # busy and idle seconds since the sender's last report
-                window = self.rollout_stats.setdefault(message.src, {"busy_s": 0.0, "idle_s": 0.0})
-                window["busy_s"] += body["busy_s"]
-                window["idle_s"] += body["idle_s"]
+            elif body["type"] == "stats":  # the sender's engine time, idle time and admission gate since its last report
+                window = self.rollout_stats.setdefault(message.src, {key: 0 for key in _SUMMED_ROLLOUT_STATS} | {"kv_usage_sum": 0.0})
+                for key in _SUMMED_ROLLOUT_STATS:
+                    window[key] += body[key]
+                window["kv_usage_sum"] += body["kv_usage_mean"] * body["engine_steps"]
+                window["cap"] = body["cap"]
+                window.setdefault("cap_changes", []).extend(body["cap_changes"])
             elif body["type"] == "flush":
                 self.flushed.add(message.src)
 
@@ -334,7 +362,8 @@ class DecoupledMode(ModeBase):
         row = self.step_metrics(
             plan.fresh, trained, stats, timer, trained_version, trainer_wait_s=timer.get("wait"), rollout_wait_s=0.0
         )
-        counts = torch.tensor([len(plan.fresh), len(plan.replayed)], dtype=torch.float64)
+        counts = torch.tensor([len(plan.fresh), len(plan.replayed), self.received_in_window], dtype=torch.float64)
+        self.received_in_window = 0
         dist.all_reduce(counts, group=self.trainer_group)
         buffered = torch.tensor([len(self.buffer)], dtype=torch.float64)
         dist.all_reduce(buffered, op=dist.ReduceOp.MAX, group=self.trainer_group)
@@ -343,24 +372,43 @@ class DecoupledMode(ModeBase):
         row.update(
             fresh_samples=fresh,
             replayed_samples=replayed,
+            received_samples=int(counts[2]),
+            trainer_wait_s=timer.get("wait"),
             replay_fraction=replay_fraction,
             alpha=replay_gradient_share(replay_fraction, self.settings.tau),
             buffer_size_max=int(buffered.item()),
-            rollout_idle_ratio=self._rollout_idle_ratio(),
+            **self._rollout_window(),
             placement=self.placement.name,
         )
         return row
 
-    def _rollout_idle_ratio(self) -> float:
-        """Idle share of the rollout ranks' time reported since the previous step (rank 0 receives the reports;
-        0 elsewhere), then a new window starts. A step shorter than the report period (about 1 s) repeats the
-        previous window's ratio."""
-        idle = sum(s["idle_s"] for s in self.rollout_stats.values())
-        busy = sum(s["busy_s"] for s in self.rollout_stats.values())
+    def _rollout_window(self) -> dict:
+        """The rollout ranks' reports since the previous step, as metrics (rank 0 receives the reports; zeros
+        elsewhere); then a new window starts. The idle ratio is the idle share of their time; a step shorter
+        than the report period (about 1 s) keeps the previous window's ratio and caps and counts nothing."""
+        reports = self.rollout_stats
+        idle = sum(s["idle_s"] for s in reports.values())
+        busy = sum(s["busy_s"] for s in reports.values())
         if idle + busy > 0:
+            steps = sum(s["engine_steps"] for s in reports.values())
             self.rollout_stats = {}
-            self.last_idle_ratio = idle / (idle + busy)
-        return self.last_idle_ratio
+            self.last_rollout_window = {
+                "rollout_idle_ratio": idle / (idle + busy),
+                "rollout_busy_s": busy,
+                "rollout_idle_s": idle,
+                "kv_usage_mean": sum(s["kv_usage_sum"] for s in reports.values()) / steps if steps else 0.0,
+                "preemptions": sum(s["preemptions"] for s in reports.values()),
+                "admitted_groups": sum(s["admitted_groups"] for s in reports.values()),
+                "gate_refusals": sum(s["gate_refusals"] for s in reports.values()),
+                "concurrency_caps": {str(rank): s["cap"] for rank, s in sorted(reports.items())},
+                "cap_changes": {str(rank): s["cap_changes"] for rank, s in sorted(reports.items()) if s.get("cap_changes")},
+            }
+            return self.last_rollout_window
+        # no report in this window: the ratio and the caps stand, nothing was counted
+        return dict(
+            self.last_rollout_window, rollout_busy_s=0.0, rollout_idle_s=0.0, preemptions=0, admitted_groups=0,
+            gate_refusals=0, cap_changes={},
+        )
 
     # ================================================================ rollout side
 
@@ -420,13 +468,17 @@ class DecoupledMode(ModeBase):
         self.window.append(row)
         if self.version % self.settings.interval:
             return False
-        decision = torch.zeros(1, dtype=torch.long)
+        target = torch.zeros(1, dtype=torch.long)
         if self.rank == 0:
-            target = self.controller.decide(self.step, self.placement.replicate_degree, self.window)
-            decision[0] = target or 0
+            decision = self.controller.decide(self.step, self.placement.replicate_degree, self.window)
+            target[0] = decision.target or 0
             self.window = []
-        dist.broadcast(decision, src=0, group=self.trainer_group)
-        self.change_to = int(decision.item()) or None
+            row = decision.as_row()
+            if decision.target is not None or "planner_scores" in row:
+                self.parts.logger.log(self.step, row)
+                self.parts.logger.info(f"placement decision after step {self.step}: {decision.reason}")
+        dist.broadcast(target, src=0, group=self.trainer_group)
+        self.change_to = int(target.item()) or None
         return self.change_to is not None
 
     def _merge_rollout_ledger(self, worker_ledger: dict) -> None:
@@ -491,6 +543,7 @@ class DecoupledMode(ModeBase):
             "placement": new.name, "transition_s": seconds.item(), "bytes_moved": int(moved.item()), "after_step": self.step,
         }
         self.ledger["transitions"].append(event)
+        self.window.append(event)  # the controller learns what the change cost
         if self.rank == 0:
             parts.logger.log(self.step, {k: v for k, v in event.items() if k != "after_step"})
             parts.logger.info(f"placement {old.name} -> {new.name} after step {self.step} in {seconds.item():.2f}s")

@@ -44,6 +44,10 @@ class PromptShare:
     stride: int
     pending: deque = field(default_factory=deque)
 
+    def peek(self) -> int:
+        """The draw index ``take`` returns next."""
+        return self.pending[0] if self.pending else self.start
+
     def take(self) -> int:
         if self.pending:
             return self.pending.popleft()

@@ -7,14 +7,17 @@
                             Progress        hand the trainer's counts to the dispatch budget
                             Stop            drop what is in flight and leave
           2. admit        whole groups, while the dispatch budget has room on some trainer shard and the
-                          engine has capacity (also right after each Progress, before the next command);
-                          a group's destination shard is fixed here
+                          admission gate lets the next one in (``reflow.rollout.admission``: the
+                          concurrency cap, and with scheduler.kv_admission the KV rule; an empty engine
+                          always admits); also right after each Progress, before the next command. A
+                          group's destination shard is fixed here
           3. generate     one engine step; a finished group is scored and put on the data outbox at once
                           (the send happens on the outbox thread)
           4. idle         nothing in flight: block on the control inbox until a command arrives
 
 Step 1's first-token rule makes a sample's birth version (its oldest token) equal to the version it was
-admitted under, which is what lets the dispatch budget, and nothing else, decide how stale samples get.
+admitted under, which is what lets the dispatch budget, and nothing else, decide how stale samples get. A
+group the gate holds back starts later, under weights at least as new: it can only be fresher.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING
 from reflow.dataplane import ControlChannel, Outbox
 from reflow.modes.commands import Progress, Stop, SyncWeights, Transition
 from reflow.modes.rollouts import PromptTokenizer, Sample, assign_advantages, make_group_requests, score
+from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.engine import Request, RolloutEngine
 from reflow.scheduler import DispatchBudget
 from reflow.modes.prompts import PromptShare, PromptStream
@@ -99,6 +103,8 @@ class RolloutWorker:
             self.task, self.tokenizer, self.group_size, cfg.training.normalize_adv_std, cfg.training.advantage_eps, rollout_index
         )
         self.busy_idle = BusyIdle()
+        self.gate = AdmissionGate(cfg, self.engine, self.group_size)
+        self._next_group: tuple | None = None  # ((draw, version), its requests) while it waits on the gate
         self.commands: deque = deque()
         self.ledger: dict = {"started": [], "sent": [], "dropped_at_stop": []}
 
@@ -127,8 +133,7 @@ class RolloutWorker:
             # 3. generate, or 4. idle
             if self.engine.num_active:
                 t0 = time.perf_counter()
-                for req in self.engine.step():
-                    self._finished(req)
+                self._step()
                 self.busy_idle.busy_s += time.perf_counter() - t0
             else:
                 t0 = time.perf_counter()
@@ -143,15 +148,16 @@ class RolloutWorker:
         """A placement change: generate every admitted request to its end and send its group (never dropped)."""
         t0 = time.perf_counter()
         while self.engine.num_active:
-            for req in self.engine.step():
-                self._finished(req)
+            self._step()
         self.busy_idle.busy_s += time.perf_counter() - t0
         assert not self.groups.waiting_ids(), "a group's requests always finish together here"
         self._report()
 
     def _sync(self, version: int) -> None:
         t0 = time.perf_counter()
-        for req in self.engine.step_until_started():
+        started = self.engine.step_until_started()
+        self.gate.after_step([len(req.output_ids) for req in started])
+        for req in started:
             self._finished(req)
         held = self.engine.hold_all()
         self.busy_idle.busy_s += time.perf_counter() - t0
@@ -160,19 +166,35 @@ class RolloutWorker:
             self.engine.add(req)
         self._report()
 
+    def _step(self) -> None:
+        finished = self.engine.step()
+        self.gate.after_step([len(req.output_ids) for req in finished])
+        for req in finished:
+            self._finished(req)
+
     def _admit(self) -> None:
+        """Start whole groups while the dispatch budget has room on some shard and the admission gate (the
+        concurrency cap, and the KV rule when on) lets the next one in."""
         cfg = self.cfg
-        while self.engine.num_active + self.group_size <= cfg.rollout.max_num_seqs:
+        while True:
             shard = self.budget.next_shard()
             if shard is None:
                 return
-            draw = self.share.take()
-            problem = self.stream.problem_at(draw)
+            key = (self.share.peek(), self.engine.version)  # the seeds follow the version it starts under
+            if self._next_group is None or self._next_group[0] != key:
+                draw = self.share.peek()
+                self._next_group = key, make_group_requests(
+                    self.stream.problem_at(draw), draw, self.task, self.tokenizer, self.group_size,
+                    cfg.rollout.max_new_tokens, cfg.job.seed, self.engine.version,
+                )
+            requests = self._next_group[1]
+            if not self.gate.allows(len(requests[0].prompt_ids)):
+                return  # it waits for the next engine step (the engine has requests in flight: the gate
+                # admits anything into an empty engine)
+            self.share.take()
+            self._next_group = None
             now = time.time()
-            for req in make_group_requests(
-                problem, draw, self.task, self.tokenizer, self.group_size, cfg.rollout.max_new_tokens, cfg.job.seed,
-                self.engine.version,
-            ):
+            for req in requests:
                 req.meta.update(shard=shard, admitted_at=now)
                 self.engine.add(req)
                 self.ledger["started"].append(req.request_id)
@@ -190,5 +212,8 @@ class RolloutWorker:
         )
 
     def _report(self) -> None:
-        self.outbox.put(self.control.leader, {"type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s})
+        self.outbox.put(
+            self.control.leader,
+            {"type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s, **self.gate.report()},
+        )
         self.busy_idle = BusyIdle()

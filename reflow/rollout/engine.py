@@ -23,6 +23,7 @@ import torch
 
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import Recipe
+from reflow.rollout.kv_signals import EngineSignalReader, EngineSignals
 
 logger = logging.getLogger("reflow")
 
@@ -53,6 +54,8 @@ class Request:
     max_tokens: int
     seed: int
     meta: dict = field(default_factory=dict)
+    ignore_eos: bool = False
+    """Generate exactly max_tokens (synthetic workloads with a chosen length distribution: benchmarks)."""
     # filled while generating
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -80,11 +83,18 @@ class RolloutEngine:
         if on_gpu:
             kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
+        if r.kv_block_size > 0:
+            kwargs["block_size"] = r.kv_block_size
+        if r.num_kv_blocks > 0:
+            kwargs["num_gpu_blocks_override"] = r.num_kv_blocks
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RopeReloadFilter())
         t0 = time.time()
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.build_time_s = time.time() - t0
+        self.signal_reader = EngineSignalReader(self.llm)
+        self.signals: EngineSignals = self.signal_reader.read()
+        """KV usage, request counts and preemptions after the latest step (``reflow.rollout.kv_signals``)."""
         self.cfg = cfg
         self.per_request_seeds = on_gpu
         self.version = 0
@@ -109,6 +119,7 @@ class RolloutEngine:
             # seed (job.seed + rank) is used instead.
             seed=req.seed + len(req.output_ids) if self.per_request_seeds else None,
             detokenize=False,
+            ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -147,6 +158,7 @@ class RolloutEngine:
                 req.finish_reason = comp.finish_reason
                 del self.active[out.request_id]
                 finished.append(req)
+        self.signals = self.signal_reader.read()
         return finished
 
     def step_until_started(self) -> list[Request]:

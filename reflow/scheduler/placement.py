@@ -2,19 +2,24 @@
 
 At every weight-sync point trainer rank 0 asks the run's controller whether to change the placement; the
 answer is broadcast to the trainer ranks and, when it is a change, the run performs it at once
-(``reflow.modes.decoupled``). A controller is plain Python: measurements in, a decision out.
+(``reflow.modes.decoupled``). A controller is plain Python: measurements in, a decision out. Two exist:
+``ForcedSchedule`` (placement.schedule) and ``reflow.scheduler.planner.PlacementPlanner``
+(scheduler.adaptive_placement).
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from reflow.scheduler.planner import PlacementDecision
+
 
 @runtime_checkable
 class PlacementController(Protocol):
-    def decide(self, step: int, replicas: int, window: list[dict]) -> int | None:
+    def decide(self, step: int, replicas: int, window: list[dict]) -> PlacementDecision:
         """After trainer step ``step`` (a sync point), with ``replicas`` trainer replicas now and ``window`` the
-        metrics rows since the last decision: the replica count to move to, or None to stay."""
+        metrics rows since the last decision (step rows, and the row of a placement change when there was
+        one): whether to move, where, and why."""
         ...
 
 
@@ -24,6 +29,8 @@ class ForcedSchedule:
     def __init__(self, changes: list[tuple[int, int]]):
         self.changes = dict(changes)
 
-    def decide(self, step: int, replicas: int, window: list[dict]) -> int | None:
+    def decide(self, step: int, replicas: int, window: list[dict]) -> PlacementDecision:
         target = self.changes.get(step)
-        return target if target is not None and target != replicas else None
+        if target is None or target == replicas:
+            return PlacementDecision(step, replicas, None, "no change scheduled")
+        return PlacementDecision(step, replicas, target, f"placement.schedule: {target} replicas after step {step}")

@@ -214,5 +214,5 @@ def test_forced_schedule_is_a_placement_controller():
 
     schedule = ForcedSchedule([(4, 1), (8, 2)])
     assert isinstance(schedule, PlacementController)
-    assert [schedule.decide(step, 2 if step <= 4 else 1, []) for step in (2, 4, 6, 8)] == [None, 1, None, 2]
-    assert schedule.decide(4, 1, []) is None  # already there
+    assert [schedule.decide(step, 2 if step <= 4 else 1, []).target for step in (2, 4, 6, 8)] == [None, 1, None, 2]
+    assert schedule.decide(4, 1, []).target is None  # already there

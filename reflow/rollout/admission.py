@@ -1,0 +1,113 @@
+"""One rollout worker's admission gate: whether the next request group may start now.
+
+It joins the engine (its requests in flight and ``reflow.rollout.kv_signals``) to the scheduler's pure
+decision objects (``reflow.scheduler.concurrency``):
+
+  cap        rollout.max_num_seqs, or, with scheduler.adaptive_concurrency, the slow controller's cap
+             (never above max_num_seqs: the engine was built for that many);
+  KV rule    with scheduler.kv_admission, ``KVAdmission``: the group's estimate plus the predicted KV
+             tokens of the groups in flight within rho x the engine's KV budget.
+
+The gate also keeps the window statistics the worker reports to trainer rank 0 with its busy/idle
+seconds: the cap, the mean KV usage over engine steps, preemptions, groups admitted, and refusals (one per
+admission attempt the gate turned down: a group waits on it, and the worker retries after the next step).
+"""
+
+from __future__ import annotations
+
+import time
+
+from reflow.config.job_config import JobConfig
+from reflow.rollout.engine import RolloutEngine
+from reflow.scheduler.concurrency import (
+    CapDecision,
+    ConcurrencyController,
+    ConcurrencySettings,
+    KVAdmission,
+    ResponseLengths,
+    WorkerLoad,
+)
+
+
+class AdmissionGate:
+    def __init__(self, cfg: JobConfig, engine: RolloutEngine, group_size: int):
+        scheduler = cfg.scheduler
+        self.engine = engine
+        self.group_size = group_size
+        self.max_cap = cfg.rollout.max_num_seqs
+        self.controller = (
+            ConcurrencyController(
+                ConcurrencySettings(alpha=scheduler.alpha, interval_s=scheduler.interval_s, min_cap=group_size, max_cap=self.max_cap),
+                initial_cap=self.max_cap,
+            )
+            if scheduler.adaptive_concurrency
+            else None
+        )
+        self.lengths = ResponseLengths(scheduler.response_percentile, window=256, initial=cfg.rollout.max_new_tokens)
+        self.kv_rule = (
+            KVAdmission(scheduler.rho, self.lengths, block_size=engine.signal_reader.block_size) if scheduler.kv_admission else None
+        )
+        self.decisions: list[CapDecision] = []
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.window = {"admitted_groups": 0, "gate_refusals": 0, "kv_usage_sum": 0.0, "engine_steps": 0}
+        self._window_preemptions_from = self.engine.signals.preemptions
+
+    @property
+    def cap(self) -> int:
+        return self.controller.cap if self.controller is not None else self.max_cap
+
+    def predicted_tokens(self) -> int:
+        """T_pred: the KV rule's estimate of every group in flight, each response at its expected end."""
+        groups: dict[str, tuple[int, list[int]]] = {}
+        for req in self.engine.active.values():
+            groups.setdefault(req.meta["group"], (len(req.prompt_ids), []))[1].append(len(req.output_ids))
+        return sum(self.kv_rule.in_flight_estimate(prompt_len, lengths) for prompt_len, lengths in groups.values())
+
+    def allows(self, prompt_len: int) -> bool:
+        """May a group with this prompt start now? Counts the answer (and, when the cap refuses, tells the
+        controller that its cap binds)."""
+        in_flight = self.engine.num_active
+        if in_flight + self.group_size > self.cap and in_flight > 0:
+            if self.controller is not None:
+                self.controller.note_cap_binding()
+            self.window["gate_refusals"] += 1
+            return False
+        if self.kv_rule is not None:
+            load = WorkerLoad(self.predicted_tokens(), self.engine.signals.kv_budget_tokens, in_flight, self.cap)
+            if not self.kv_rule.admits(load, self.kv_rule.group_estimate(prompt_len, self.group_size), self.group_size):
+                self.window["gate_refusals"] += 1
+                return False
+        self.window["admitted_groups"] += 1
+        return True
+
+    def after_step(self, finished_lengths: list[int]) -> None:
+        """After every engine step: learn the finished lengths, feed the controller the engine's signals."""
+        for length in finished_lengths:
+            self.lengths.add(length)
+        signals = self.engine.signals
+        self.window["kv_usage_sum"] += signals.kv_usage
+        self.window["engine_steps"] += 1
+        if self.controller is not None:
+            decision = self.controller.observe(
+                time.perf_counter(), signals.kv_usage, signals.kv_budget_tokens, self.engine.num_active, signals.preemptions
+            )
+            if decision is not None and decision.reason != "hold":
+                self.decisions.append(decision)
+
+    def report(self) -> dict:
+        """The window's statistics (then a new window starts)."""
+        steps = self.window["engine_steps"]
+        out = {
+            "cap": self.cap,
+            "kv_usage_mean": self.window["kv_usage_sum"] / steps if steps else 0.0,
+            "engine_steps": steps,
+            "preemptions": self.engine.signals.preemptions - self._window_preemptions_from,
+            "admitted_groups": self.window["admitted_groups"],
+            "gate_refusals": self.window["gate_refusals"],
+            "cap_changes": [(d.reason, d.previous, d.cap) for d in self.decisions],
+        }
+        self.decisions = []
+        self._reset_window()
+        return out

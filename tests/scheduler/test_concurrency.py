@@ -1,0 +1,122 @@
+"""The slow concurrency controller and the fast KV admission rule, on synthetic engine signals."""
+
+import pytest
+
+from reflow.scheduler.concurrency import (
+    ConcurrencyController,
+    ConcurrencySettings,
+    KVAdmission,
+    ResponseLengths,
+    WorkerLoad,
+)
+
+BUDGET = 10_000
+
+
+def controller(**overrides) -> ConcurrencyController:
+    settings = ConcurrencySettings(alpha=1.0, interval_s=1.0, min_cap=4, max_cap=256, horizon_s=1.0, **overrides)
+    control = ConcurrencyController(settings, initial_cap=64)
+    assert control.observe(0.0, 0.0, BUDGET, 0, 0) is None  # the first observation only sets the baseline
+    return control
+
+
+def test_grows_by_the_factor_only_when_the_cap_binds_and_the_cache_has_headroom():
+    control = controller()
+    assert control.observe(1.0, 0.3, BUDGET, 64, 0).reason == "hold"  # cap not binding: no reason to grow
+    control.note_cap_binding()
+    decision = control.observe(2.0, 0.3, BUDGET, 64, 0)  # no growth of KV tokens since the last update
+    assert (decision.reason, decision.previous, decision.cap) == ("grow", 64, 80)  # ceil(64 x 1.25)
+    control.note_cap_binding()
+    assert control.observe(2.5, 0.3, BUDGET, 80, 0) is None  # within interval_s: no decision
+
+
+def test_growth_of_kv_tokens_holds_off_a_grow_at_low_usage():
+    """u = 0.4 is below 0.6, but the tokens in use grew by 3,000/s: projected 0.4 + 3000 x 1 / 10000 = 0.7."""
+    control = controller()
+    control.observe(1.0, 0.1, BUDGET, 64, 0)
+    control.note_cap_binding()
+    decision = control.observe(2.0, 0.4, BUDGET, 64, 0)
+    assert decision.growth_ema == pytest.approx(3000.0)
+    assert decision.projected_usage == pytest.approx(0.7)
+    assert decision.reason == "hold" and decision.cap == 64
+
+
+def test_trims_to_the_target_usage_under_kv_pressure():
+    control = controller()
+    decision = control.observe(1.0, 0.9, BUDGET, 64, 0)  # 0.0 -> 0.9 in 1 s: projected 0.9 + 9000 / 10000
+    assert decision.reason == "trim" and decision.projected_usage == pytest.approx(1.8)
+    assert decision.cap == int(64 * 0.7 / 1.8)  # 24: aimed at the target against the projection
+    decision = control.observe(2.0, 0.9, BUDGET, 50, 0)  # steady at 0.9: in-flight 50 would give 38
+    assert (decision.reason, decision.cap) == ("trim", 24)  # pressure never raises the cap
+    steady = ConcurrencyController(ConcurrencySettings(alpha=1.0, interval_s=1.0, min_cap=4, horizon_s=1.0), 64)
+    steady.observe(0.0, 0.9, BUDGET, 50, 0)
+    assert steady.observe(1.0, 0.9, BUDGET, 50, 0).cap == int(50 * 0.7 / 0.9)  # 38
+
+
+def test_cuts_on_preemption_whatever_the_usage():
+    control = controller()
+    decision = control.observe(1.0, 0.2, BUDGET, 60, preemptions=3)
+    assert (decision.reason, decision.cap, decision.preemptions) == ("cut", 48, 3)  # 0.8 x 60
+    assert control.observe(2.0, 0.2, BUDGET, 40, preemptions=3).reason == "hold"  # only new preemptions cut
+
+
+def test_the_cap_stays_within_its_bounds():
+    control = controller()
+    assert control.observe(1.0, 0.5, BUDGET, 2, preemptions=1).cap == 4  # min_cap
+    for t in range(2, 40):
+        control.note_cap_binding()
+        control.observe(float(t), 0.1, BUDGET, control.cap, preemptions=1)
+    assert control.cap == 256  # max_cap
+
+
+def test_response_length_estimate_is_a_high_percentile_of_a_recent_window():
+    lengths = ResponseLengths(0.9, window=10, initial=512)
+    assert lengths.estimate() == 512  # nothing finished yet: the longest allowed
+    for n in range(1, 21):
+        lengths.add(n)
+    assert list(lengths.recent) == list(range(11, 21))
+    assert lengths.estimate() == 19  # nearest rank: ceil(0.9 x 10) = 9th of 11..20
+
+
+def test_group_estimate_counts_the_prompt_once():
+    lengths = ResponseLengths(1.0, window=8, initial=100)
+    admission = KVAdmission(0.9, lengths)
+    assert admission.group_estimate(30, 4) == 30 + 4 * 100
+
+
+def test_a_running_sequence_is_expected_to_end_at_the_mean_of_recent_lengths_that_reached_it():
+    lengths = ResponseLengths(0.9, window=8, initial=100)
+    for n in (10, 20, 30, 40, 200):
+        lengths.add(n)
+    assert lengths.expected_final(0) == 60  # all five
+    assert lengths.expected_final(25) == 90  # 30, 40, 200
+    assert lengths.expected_final(250) == 250  # beyond every recent one: at least what it has
+    admission = KVAdmission(0.9, lengths)
+    assert admission.in_flight_estimate(30, [0, 25]) == 30 + 60 + 90
+
+
+def test_group_estimate_in_kv_blocks_shares_only_the_prompts_full_blocks():
+    admission = KVAdmission(0.9, ResponseLengths(1.0, window=8, initial=40), block_size=16)
+    # prompt 40 = 2 shared full blocks + 8 tokens per sequence; 8 + 40 = 48 tokens = 3 blocks per sequence
+    assert admission.group_estimate(40, 4) == 16 * (2 + 4 * 3)
+    assert admission.in_flight_estimate(40, [57, 0]) == 16 * (2 + 5 + 3)  # 8 + 57 = 65: 5 blocks
+
+
+def test_admission_never_exceeds_rho_and_respects_the_cap():
+    admission = KVAdmission(0.8, ResponseLengths(1.0, window=8, initial=100))
+    estimate = admission.group_estimate(0, 4)  # 400 tokens
+    assert admission.admits(WorkerLoad(7_600, BUDGET, 8, 64), estimate, 4)  # exactly 0.8
+    assert not admission.admits(WorkerLoad(7_601, BUDGET, 8, 64), estimate, 4)
+    assert not admission.admits(WorkerLoad(0, BUDGET, 62, 64), estimate, 4)  # the cap
+    assert admission.admits(WorkerLoad(50_000, BUDGET, 0, 64), estimate, 4)  # an empty engine always admits
+
+
+def test_a_group_goes_to_the_least_loaded_worker_that_admits_it():
+    admission = KVAdmission(0.9, ResponseLengths(1.0, window=8, initial=100))
+    loads = [
+        WorkerLoad(6_000, BUDGET, 16, 64),  # 0.64 after the group
+        WorkerLoad(2_000, 4_000, 16, 64),  # 0.6: least loaded relative to its budget
+        WorkerLoad(1_000, BUDGET, 62, 64),  # no room under its cap
+    ]
+    assert admission.choose(loads, 400, 4) == 1
+    assert admission.choose([WorkerLoad(8_800, BUDGET, 8, 64)], 400, 4) is None
