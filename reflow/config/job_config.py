@@ -159,7 +159,11 @@ class Task:
     train_file: str = "assets/data/chain_sum_train.jsonl"
     """JSONL prompts with answers."""
     eval_file: str = "assets/data/chain_sum_eval.jsonl"
-    """JSONL held-out prompts (greedy accuracy is logged every eval_interval steps)."""
+    """JSONL held-out prompts (the mean reward of one sample per prompt at the rollout temperature is logged
+    every metrics.eval_interval steps)."""
+    shuffle: bool = True
+    """Draw training prompts in a fresh seeded order each epoch; false: in the file's order (a curriculum, or a
+    workload that drifts, such as assets/data/chain_sum_drift_train.jsonl)."""
 
 
 @dataclass
@@ -214,6 +218,8 @@ class Scheduler:
     """Placement planner: trainer steps between two placement changes, at least."""
     margin: float = 0.1
     """Placement planner: a candidate's mismatch score must beat the current one's by this much (log units)."""
+    horizon_steps: int = 20
+    """Placement planner: the steps over which a change's predicted saving is counted against its cost."""
     transition_cost_s: float = 2.0
     """Placement planner: the cost of a placement change until one has been measured."""
 

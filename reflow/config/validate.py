@@ -95,6 +95,8 @@ def _validate_scheduler(cfg: JobConfig, fail) -> None:
         fail("scheduler.interval_s", f"must be > 0, got {sched.interval_s}")
     if sched.cooldown_steps < 1:
         fail("scheduler.cooldown_steps", f"must be >= 1, got {sched.cooldown_steps}")
+    if sched.horizon_steps < 1:
+        fail("scheduler.horizon_steps", f"must be >= 1, got {sched.horizon_steps}")
     if sched.margin < 0:
         fail("scheduler.margin", f"must be >= 0, got {sched.margin}")
     if sched.transition_cost_s < 0:

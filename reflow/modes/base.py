@@ -79,7 +79,7 @@ class ModeBase:
         self.parts = parts
         self.version = 0
         self.step = 0
-        self._stream = iterate_epochs(parts.train_problems, parts.cfg.job.seed)
+        self._stream = iterate_epochs(parts.train_problems, parts.cfg.job.seed, parts.cfg.task.shuffle)
         self._drawn = 0
         self._train_start: float | None = None
         self.finished = False

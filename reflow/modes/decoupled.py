@@ -166,7 +166,7 @@ class DecoupledMode(ModeBase):
         self.settings = resolve_settings(cfg)
         self.max_staleness = self.settings.delta
         self.rank = parts.rank
-        self.stream = PromptStream(parts.train_problems, cfg.job.seed)
+        self.stream = PromptStream(parts.train_problems, cfg.job.seed, cfg.task.shuffle)
         # planes: created by every rank at the same point (new_group is collective). Any rank may train or
         # generate over the run, so every rank can send and receive data; commands go from rank 0 (which
         # trains in every placement) to any other rank.
@@ -210,6 +210,7 @@ class DecoupledMode(ModeBase):
                     replica_options=tuple(sorted(parts.layouts)), sigma=self.settings.sigma,
                     batch_size=cfg.training.prompts_per_step * cfg.training.group_size,
                     cooldown_steps=cfg.scheduler.cooldown_steps, margin=cfg.scheduler.margin,
+                    horizon_steps=cfg.scheduler.horizon_steps,
                     transition_cost_s=cfg.scheduler.transition_cost_s,
                 )
             )
@@ -473,9 +474,8 @@ class DecoupledMode(ModeBase):
             decision = self.controller.decide(self.step, self.placement.replicate_degree, self.window)
             target[0] = decision.target or 0
             self.window = []
-            row = decision.as_row()
-            if decision.target is not None or "planner_scores" in row:
-                self.parts.logger.log(self.step, row)
+            if decision.target is not None or not isinstance(self.controller, ForcedSchedule):  # a schedule's no-ops are noise
+                self.parts.logger.log(self.step, decision.as_row())
                 self.parts.logger.info(f"placement decision after step {self.step}: {decision.reason}")
         dist.broadcast(target, src=0, group=self.trainer_group)
         self.change_to = int(target.item()) or None

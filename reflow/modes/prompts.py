@@ -1,7 +1,8 @@
 """The run's prompt stream, shared by the rollout ranks so that no prompt is skipped or drawn twice, even when
 the number of rollout ranks changes.
 
-The stream is a fresh seeded permutation of the problems per epoch; a prompt's *draw index* is its position in
+The stream is a fresh seeded permutation of the problems per epoch (or the file's order, task.shuffle =
+false); a prompt's *draw index* is its position in
 it, unique in the run. Rollout rank i of R takes the draw indices i, i + R, i + 2R, ... (a ``PromptShare``).
 When the rollout pool changes, every old share's undrawn indices below the furthest one any share reached
 (its *holes*) are dealt to the new shares first, then each new share continues with its own stride from there
@@ -10,28 +11,26 @@ When the rollout pool changes, every old share's undrawn indices below the furth
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from reflow.tasks.base import Problem
+from reflow.tasks.base import Problem, epoch_order
 
 
 class PromptStream:
     """Random access to the run's stream: the problem at any draw index."""
 
-    def __init__(self, problems: list[Problem], seed: int):
+    def __init__(self, problems: list[Problem], seed: int, shuffle: bool = True):
         if not problems:
             raise ValueError("the prompt stream needs at least one problem")
-        self.problems, self.seed = problems, seed
+        self.problems, self.seed, self.shuffle = problems, seed, shuffle
         self._orders: dict[int, list[int]] = {}
 
     def problem_at(self, draw: int) -> Problem:
         epoch, position = divmod(draw, len(self.problems))
         if epoch not in self._orders:
-            order = list(range(len(self.problems)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)  # as reflow.tasks.base.iterate_epochs
-            self._orders = {epoch: order}  # one epoch at a time: the stream only moves forward
+            # one epoch at a time: the stream only moves forward
+            self._orders = {epoch: epoch_order(len(self.problems), self.seed, epoch, self.shuffle)}
         return self.problems[self._orders[epoch][position]]
 
 

@@ -17,7 +17,7 @@ the run should have, from what the last window measured. Plain Python: measureme
    0 when generation exactly feeds the trainer's fresh demand, growing as either side would wait.
 4. Decision. Move to the best-scoring placement only if (a) its score beats the current one's by
    ``margin``, (b) ``cooldown_steps`` steps have passed since the last change, and (c) the time it is
-   predicted to save over the next ``cooldown_steps`` steps exceeds the cost of a transition (the last
+   predicted to save over the next ``horizon_steps`` steps exceeds the cost of a transition (the last
    measured one, else ``transition_cost_s``). Throughput X = min(C, P / (1 - sigma)) samples per second;
    a step of b samples takes b / X.
 """
@@ -39,6 +39,7 @@ class PlannerSettings:
     """Samples per trainer step (b)."""
     cooldown_steps: int = 4
     margin: float = 0.1
+    horizon_steps: int = 20
     transition_cost_s: float = 2.0
 
 
@@ -171,7 +172,7 @@ class PlacementPlanner:
         candidates = self.candidates(production_rate, consumption_rate)
         current = next(c for c in candidates if c.replicas == replicas)
         best = min(candidates, key=lambda c: (c.score, c.step_s))
-        saving = settings.cooldown_steps * (current.step_s - best.step_s)
+        saving = settings.horizon_steps * (current.step_s - best.step_s)
         detail = dict(
             production_rate=production_rate, consumption_rate=consumption_rate, candidates=candidates,
             predicted_saving_s=saving, transition_cost_s=self.transition_cost_s,
@@ -187,6 +188,6 @@ class PlacementPlanner:
         return PlacementDecision(
             step, replicas, best.replicas,
             f"{best.replicas} replicas: mismatch {best.score:.2f} vs {current.score:.2f}, saves {saving:.1f}s "
-            f"over {settings.cooldown_steps} steps against a {self.transition_cost_s:.1f}s transition",
+            f"over {settings.horizon_steps} steps against a {self.transition_cost_s:.1f}s transition",
             **detail,
         )

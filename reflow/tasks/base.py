@@ -57,14 +57,21 @@ def load_problems(path: str) -> list[Problem]:
     return problems
 
 
-def iterate_epochs(problems: list[Problem], seed: int) -> Iterator[Problem]:
-    """Endless deterministic stream: a fresh permutation per epoch."""
+def epoch_order(num_problems: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The problems' order in one epoch of the run's stream: a seeded permutation per epoch, or the file's
+    order (task.shuffle = false: a curriculum, or a workload that drifts)."""
     import random
 
+    order = list(range(num_problems))
+    if shuffle:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def iterate_epochs(problems: list[Problem], seed: int, shuffle: bool = True) -> Iterator[Problem]:
+    """Endless deterministic stream, epoch after epoch (``epoch_order``)."""
     epoch = 0
     while True:
-        order = list(range(len(problems)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        for i in order:
+        for i in epoch_order(len(problems), seed, epoch, shuffle):
             yield problems[i]
         epoch += 1

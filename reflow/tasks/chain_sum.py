@@ -46,6 +46,22 @@ def generate(num: int, seed: int, spec: ChainSumSpec | None = None, prefix: str 
     return [sample_problem(rng, spec, f"{prefix}-{seed}-{i}") for i in range(num)]
 
 
+def generate_drifting(num: int, seed: int, start: ChainSumSpec, end: ChainSumSpec, prefix: str = "drift") -> list[Problem]:
+    """Problems whose chain-length distribution moves from ``start`` to ``end`` along the list (read in file
+    order, with task.shuffle = false, the responses get longer as training goes on, as in reasoning RL)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(num):
+        frac = i / max(num - 1, 1)
+        spec = ChainSumSpec(
+            min_terms=round(start.min_terms + frac * (end.min_terms - start.min_terms)),
+            max_terms=round(start.max_terms + frac * (end.max_terms - start.max_terms)),
+            tail_p=start.tail_p + frac * (end.tail_p - start.tail_p),
+        )
+        out.append(sample_problem(rng, spec, f"{prefix}-{seed}-{i}"))
+    return out
+
+
 def write_jsonl(problems: list[Problem], path: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

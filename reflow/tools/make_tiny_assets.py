@@ -32,13 +32,19 @@ import time
 
 import torch
 
-from reflow.tasks.chain_sum import ChainSumSpec, ChainSumTask, generate, write_jsonl
+from reflow.tasks.chain_sum import ChainSumSpec, ChainSumTask, generate, generate_drifting, write_jsonl
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>"]
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 VOCAB_SIZE = 128
 
 LONG_TAIL = ChainSumSpec(min_terms=2, max_terms=40, tail_p=0.2)
+DRIFT_START, DRIFT_END = ChainSumSpec(min_terms=2, max_terms=4, tail_p=0.5), ChainSumSpec(min_terms=12, max_terms=40, tail_p=0.05)
+
+
+def write_drift_data(data_dir: str, seed: int, num: int = 1536) -> None:
+    """The drifting workload (read in order): short chains first, long-tailed long ones at the end."""
+    write_jsonl(generate_drifting(num, seed + 5, DRIFT_START, DRIFT_END), os.path.join(data_dir, "chain_sum_drift_train.jsonl"))
 
 TINY_ARCH = dict(
     hidden_size=128,
@@ -161,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     sft_set = generate(args.num_sft, args.seed + 3, spec, "sft")
     # the benchmark workload: same task, a much longer tail of chain lengths (rollout-bound, like reasoning RL)
     write_jsonl(generate(args.num_train, args.seed + 4, LONG_TAIL, "long"), os.path.join(data_dir, "chain_sum_long_train.jsonl"))
+    write_drift_data(data_dir, args.seed)
 
     cfg = Qwen3Config(
         vocab_size=VOCAB_SIZE,

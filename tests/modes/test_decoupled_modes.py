@@ -25,7 +25,8 @@ def _run(tmp_path, nproc, mode, rollout_ranks, extra=()):
         ],
     )
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
-    rows = [row for row in rows if "transition" not in row]  # placement changes have rows of their own
+    # placement changes and placement decisions have rows of their own
+    rows = [row for row in rows if "transition" not in row and "planner_reason" not in row]
     ledgers = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(dump, "ledger", "rank*.json")))]
     for row in rows:
         assert DECOUPLED_KEYS <= set(row), DECOUPLED_KEYS - set(row)

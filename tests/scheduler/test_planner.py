@@ -10,7 +10,7 @@ from reflow.scheduler.placement import ForcedSchedule, PlacementController
 
 def planner(**overrides) -> PlacementPlanner:
     settings = dict(world_size=4, shard_degree=1, replica_options=(1, 2, 3), sigma=0.5, batch_size=16, cooldown_steps=4,
-                    margin=0.1, transition_cost_s=2.0)
+                    margin=0.1, horizon_steps=4, transition_cost_s=2.0)
     settings.update(overrides)
     return PlacementPlanner(PlannerSettings(**settings))
 
