@@ -65,8 +65,9 @@ def run(engine, cfg, requests, group_size: int, label: str) -> dict:
             for req in pending.pop(0):
                 engine.add(req)
         in_flight_sum += engine.num_active
+        sequences = engine.num_active
         finished = engine.step()
-        gate.after_step([len(r.output_ids) for r in finished])
+        gate.after_step([len(r.output_ids) for r in finished], sequences)
         generated += sum(len(r.output_ids) for r in finished)
         steps += 1
         usage_sum += engine.signals.kv_usage

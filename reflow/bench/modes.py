@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": args.config,
         "overrides": overrides,
         "world_size": args.world_size,
+        "rollout_ranks": args.rollout_ranks,
         "cpu_affinity": "each rank pinned to its own core, 1 compute thread (job.cpu_affinity=true)",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "steps": args.steps,

@@ -196,7 +196,7 @@ def parse_schedule(cfg: JobConfig, placement, where=lambda key: "default") -> li
 
 def _validate_decoupled(cfg: JobConfig, placement, where) -> None:
     """The decoupled modes' dispatch rule must be able to feed every trainer shard and every rollout rank."""
-    from reflow.modes.decoupled import resolve_settings
+    from reflow.modes.settings import resolve_settings
     from reflow.scheduler import share_groups
 
     mode, training = cfg.training.mode, cfg.training

@@ -1,6 +1,6 @@
 """Decoupled modes: trainer ranks train from their replay-buffer shard while rollout ranks stream samples.
 
-What each mode is (``resolve_settings``); b = training.prompts_per_step x training.group_size:
+What each mode is (``reflow.modes.settings.resolve_settings``); b = training.prompts_per_step x training.group_size:
 
     one_step_off  sigma 0, delta 1, sync every step, window 2b (steps_ahead 1), and a shard trains only
                   samples exactly one version old: the batch the previous policy began, while the current
@@ -98,13 +98,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from reflow.algorithms.grpo import replay_gradient_share
-from reflow.config.job_config import JobConfig
 from reflow.dataplane import ControlChannel, Inbox, Outbox
 from reflow.dataplane.transport import DATA
 from reflow.modes.base import Components, ModeBase, StepTimer
@@ -114,48 +112,14 @@ from reflow.modes.prompts import PromptStream, initial_shares, reassign
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.rollouts import Sample, to_batch
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
-from reflow.scheduler import DispatchBudget, DispatchRule, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
+from reflow.modes.settings import resolve_settings
+from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
 
 
-_SUMMED_ROLLOUT_STATS = ("busy_s", "idle_s", "engine_steps", "preemptions", "admitted_groups", "gate_refusals")
+_SUMMED_ROLLOUT_STATS = (
+    "busy_s", "idle_s", "engine_steps", "step_sequences", "preemptions", "admitted_groups", "gate_refusals"
+)
 """Rollout-worker report fields that add up over a window."""
-
-
-@dataclass(frozen=True)
-class ModeSettings:
-    sigma: float
-    tau: float
-    delta: int
-    interval: int
-    min_staleness: int
-    """A shard trains an unused sample only once it is at least this stale (one_step_off: 1)."""
-    steps_ahead: int
-    """Window modes: batches generation may run ahead of the one being trained (0 for reflow)."""
-    dispatch: DispatchRule
-
-
-def resolve_settings(cfg: JobConfig) -> ModeSettings:
-    """The replay, staleness, sync and dispatch settings each decoupled mode implies (one place, no hidden
-    rewrites of the config)."""
-    training, replay = cfg.training, cfg.replay
-    batch = training.prompts_per_step * training.group_size
-    if training.mode == "one_step_off":
-        return ModeSettings(
-            sigma=0.0, tau=1.0, delta=1, interval=1, min_staleness=1, steps_ahead=1, dispatch=DispatchRule(window=2 * batch)
-        )
-    if training.mode == "async":
-        interval = cfg.weight_sync.interval
-        steps_ahead = replay.delta - interval + 1
-        return ModeSettings(
-            sigma=0.0, tau=1.0, delta=replay.delta, interval=interval, min_staleness=0, steps_ahead=steps_ahead,
-            dispatch=DispatchRule(window=(steps_ahead + 1) * batch),
-        )
-    if training.mode == "reflow":
-        return ModeSettings(
-            sigma=replay.sigma, tau=replay.tau, delta=replay.delta, interval=cfg.weight_sync.interval, min_staleness=0,
-            steps_ahead=0, dispatch=DispatchRule(per_step=cfg.rollout.b_max or batch),
-        )
-    raise ValueError(f"training.mode {training.mode!r} is not a decoupled mode")
 
 
 class DecoupledMode(ModeBase):
@@ -182,7 +146,8 @@ class DecoupledMode(ModeBase):
         self.buffer: ReplayBuffer | None = None
         self.rollout_stats: dict[int, dict] = {}  # rank 0: busy/idle seconds per rollout rank since the last step
         self.last_rollout_window: dict = {
-            "rollout_idle_ratio": 0.0, "rollout_busy_s": 0.0, "rollout_idle_s": 0.0, "kv_usage_mean": 0.0, "preemptions": 0,
+            "rollout_idle_ratio": 0.0, "rollout_busy_s": 0.0, "rollout_idle_s": 0.0, "rollout_engine_steps": 0,
+            "rollout_step_sequences": 0, "kv_usage_mean": 0.0, "preemptions": 0,
             "admitted_groups": 0, "gate_refusals": 0, "concurrency_caps": {}, "cap_changes": {},
         }
         self.ledger: dict = {
@@ -397,6 +362,8 @@ class DecoupledMode(ModeBase):
                 "rollout_idle_ratio": idle / (idle + busy),
                 "rollout_busy_s": busy,
                 "rollout_idle_s": idle,
+                "rollout_engine_steps": steps,
+                "rollout_step_sequences": sum(s["step_sequences"] for s in reports.values()),
                 "kv_usage_mean": sum(s["kv_usage_sum"] for s in reports.values()) / steps if steps else 0.0,
                 "preemptions": sum(s["preemptions"] for s in reports.values()),
                 "admitted_groups": sum(s["admitted_groups"] for s in reports.values()),
@@ -407,8 +374,8 @@ class DecoupledMode(ModeBase):
             return self.last_rollout_window
         # no report in this window: the ratio and the caps stand, nothing was counted
         return dict(
-            self.last_rollout_window, rollout_busy_s=0.0, rollout_idle_s=0.0, preemptions=0, admitted_groups=0,
-            gate_refusals=0, cap_changes={},
+            self.last_rollout_window, rollout_busy_s=0.0, rollout_idle_s=0.0, rollout_engine_steps=0,
+            rollout_step_sequences=0, preemptions=0, admitted_groups=0, gate_refusals=0, cap_changes={},
         )
 
     # ================================================================ rollout side

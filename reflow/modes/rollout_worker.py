@@ -155,8 +155,9 @@ class RolloutWorker:
 
     def _sync(self, version: int) -> None:
         t0 = time.perf_counter()
+        sequences = self.engine.num_active
         started = self.engine.step_until_started()
-        self.gate.after_step([len(req.output_ids) for req in started])
+        self.gate.after_step([len(req.output_ids) for req in started], sequences)
         for req in started:
             self._finished(req)
         held = self.engine.hold_all()
@@ -167,8 +168,9 @@ class RolloutWorker:
         self._report()
 
     def _step(self) -> None:
+        sequences = self.engine.num_active
         finished = self.engine.step()
-        self.gate.after_step([len(req.output_ids) for req in finished])
+        self.gate.after_step([len(req.output_ids) for req in finished], sequences)
         for req in finished:
             self._finished(req)
 

@@ -51,7 +51,7 @@ class AdmissionGate:
         self._reset_window()
 
     def _reset_window(self) -> None:
-        self.window = {"admitted_groups": 0, "gate_refusals": 0, "kv_usage_sum": 0.0, "engine_steps": 0}
+        self.window = {"admitted_groups": 0, "gate_refusals": 0, "kv_usage_sum": 0.0, "engine_steps": 0, "step_sequences": 0}
         self._window_preemptions_from = self.engine.signals.preemptions
 
     @property
@@ -82,13 +82,15 @@ class AdmissionGate:
         self.window["admitted_groups"] += 1
         return True
 
-    def after_step(self, finished_lengths: list[int]) -> None:
-        """After every engine step: learn the finished lengths, feed the controller the engine's signals."""
+    def after_step(self, finished_lengths: list[int], sequences: int) -> None:
+        """After every engine step over ``sequences`` sequences: learn the finished lengths, feed the controller
+        the engine's signals."""
         for length in finished_lengths:
             self.lengths.add(length)
         signals = self.engine.signals
         self.window["kv_usage_sum"] += signals.kv_usage
         self.window["engine_steps"] += 1
+        self.window["step_sequences"] += sequences
         if self.controller is not None:
             decision = self.controller.observe(
                 time.perf_counter(), signals.kv_usage, signals.kv_budget_tokens, self.engine.num_active, signals.preemptions
@@ -103,6 +105,7 @@ class AdmissionGate:
             "cap": self.cap,
             "kv_usage_mean": self.window["kv_usage_sum"] / steps if steps else 0.0,
             "engine_steps": steps,
+            "step_sequences": self.window["step_sequences"],
             "preemptions": self.engine.signals.preemptions - self._window_preemptions_from,
             "admitted_groups": self.window["admitted_groups"],
             "gate_refusals": self.window["gate_refusals"],

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reflow.config import ConfigManager
-from reflow.modes.decoupled import resolve_settings
+from reflow.modes.settings import resolve_settings
 from reflow.replay import AcceptAll, BufferedSample, RandomSampler, ReplayBuffer
 from reflow.scheduler import DispatchBudget, DispatchRule, share_groups
 

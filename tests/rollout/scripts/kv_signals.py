@@ -61,8 +61,9 @@ while pending or engine.num_active:
             engine.add(req)
         pending = pending[2:]
     max_in_flight = max(max_in_flight, engine.num_active)
+    sequences = engine.num_active
     finished = engine.step()
-    gate.after_step([len(r.output_ids) for r in finished])
+    gate.after_step([len(r.output_ids) for r in finished], sequences)
     done += len(finished)
 window = gate.report()
 report["gated"] = {

@@ -1,0 +1,218 @@
+"""The simulator's commands.
+
+    python -m reflow.sim fit --metrics outputs/bench/modes/reflow/metrics.jsonl [--name tiny-cpu] [--out profile.json]
+    python -m reflow.sim validate [--real outputs/bench/modes.json] [--out outputs/sim/validate.json]
+    python -m reflow.sim compare [--scales 8,32,128] [--steps 24] [--out outputs/sim/compare.json]
+
+fit       a cost profile from a real decoupled run's metrics.jsonl (``reflow.sim.profiles.fit_profile``)
+validate  replays the modes benchmark's configuration (train_configs/bench_modes.toml, its world size and
+          split) in the simulator, with the tiny-cpu profile fitted from that benchmark's own reflow run, and
+          reports the relative error of each mode's tokens/s and the error of its idle ratios (a fraction
+          of time: the absolute difference) against the measured ones. Top-level keys: throughput_error and
+          idle_error (the worst over modes), and per-mode detail. Run ``python -m reflow.bench modes``
+          first. Target: within 0.10.
+compare   the paper's baselines and reflow on the reasoning-drift workload with the Qwen3-8B/H800
+          profile, at each scale: sync, one_step_off, async, reflow_static_best (every static split tried,
+          the best in hindsight) and reflow_adaptive (placement planner, concurrency controller and KV
+          rule). Top-level key ``scales``. Target: adaptive within 5% of (or above) the best static split
+          and ahead of every baseline.
+
+Each writes a PNG next to its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from reflow.sim.profiles import PROFILES, QWEN3_8B_H800, fit_profile
+from reflow.sim.system import SimConfig, simulate
+from reflow.sim.workload import REASONING_DRIFT, chain_sum_workload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODES = ("sync", "one_step_off", "async", "reflow")
+
+
+def _write(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def cmd_fit(args) -> int:
+    profile = fit_profile(args.metrics, args.name)
+    print(json.dumps(profile.as_dict(), indent=2))
+    if args.out:
+        _write(args.out, profile.as_dict())
+    return 0
+
+
+def _bench_config(real: dict) -> dict:
+    """The modes benchmark's settings, from its JSON and its TOML."""
+    from reflow.config import ConfigManager
+
+    manager = ConfigManager()
+    cfg = manager.parse_args(["--config", os.path.join(ROOT, real["config"]), *real.get("overrides", [])])
+    return {
+        "cfg": cfg, "world": real["world_size"], "warmup": real["warmup_steps"],
+        "rollout_ranks": real.get("rollout_ranks", real["world_size"] - 1),
+    }
+
+
+def cmd_validate(args) -> int:
+    if not os.path.exists(args.real):
+        print(f"reflow.sim validate: {args.real} not found: run `python -m reflow.bench modes` first", file=sys.stderr)
+        return 2
+    real = json.load(open(args.real))
+    bench = _bench_config(real)
+    cfg, world = bench["cfg"], bench["world"]
+    work_dir = os.path.dirname(os.path.abspath(args.real))
+    metrics = os.path.join(work_dir, "modes", "reflow", "metrics.jsonl")
+    if not os.path.exists(metrics):
+        metrics = os.path.join(work_dir, "reflow", "metrics.jsonl")
+    profile = fit_profile(metrics, "tiny-cpu (fitted)")
+    workload = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
+    detail, throughput_errors, idle_errors = {}, [], []
+    for mode in MODES:
+        measured = real["modes"][mode]
+        sim = simulate(SimConfig(
+            mode=mode, gpus=world, prompts_per_step=cfg.training.prompts_per_step, group_size=cfg.training.group_size,
+            steps=measured["steps"], replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
+            sigma=cfg.replay.sigma, tau=cfg.replay.tau, delta=cfg.replay.delta,
+            interval=1 if mode == "sync" else cfg.weight_sync.interval, b_max=cfg.rollout.b_max, warmup_steps=bench["warmup"],
+        ), profile, workload)
+        throughput = abs(sim["tokens_per_s"] - measured["tokens_per_s"]) / measured["tokens_per_s"]
+        idle = max(abs(sim["trainer_idle_ratio"] - measured["trainer_idle_ratio"]),
+                   abs(sim["rollout_idle_ratio"] - measured["rollout_idle_ratio"]))
+        throughput_errors.append(throughput)
+        idle_errors.append(idle)
+        detail[mode] = {
+            "measured": {k: measured[k] for k in ("tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio")},
+            "simulated": {k: sim[k] for k in ("tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio")},
+            "throughput_error": throughput, "idle_error": idle,
+        }
+    result = {
+        "command": "python -m reflow.sim validate",
+        "real": os.path.relpath(args.real, ROOT) if os.path.isabs(args.real) else args.real,
+        "profile": profile.as_dict(),
+        "workload": {"train_file": cfg.task.train_file, "prompt_tokens": workload.prompt_tokens, "median_tokens": workload.median_tokens},
+        "throughput_error": max(throughput_errors),
+        "idle_error": max(idle_errors),
+        "target": {"within": 0.10, "met": max(throughput_errors) <= 0.10 and max(idle_errors) <= 0.10},
+        "idle_error_definition": "the absolute difference of the idle ratios (fractions of time), the worse of trainer and rollout",
+        "modes": detail,
+    }
+    _write(args.out, result)
+    _validate_png(args.out.replace(".json", ".png"), detail)
+    for mode, row in detail.items():
+        print(f"{mode:13s} tokens/s measured {row['measured']['tokens_per_s']:7.0f} simulated {row['simulated']['tokens_per_s']:7.0f} "
+              f"(error {row['throughput_error']:.2f}); idle error {row['idle_error']:.2f}")
+    print(f"throughput_error {result['throughput_error']:.3f}, idle_error {result['idle_error']:.3f} (target 0.10); wrote {args.out}")
+    return 0
+
+
+def _validate_png(path: str, detail: dict) -> None:
+    from reflow.sim.plot import bars, new_canvas
+
+    image, draw = new_canvas(900, 320)
+    top = max(max(r["measured"]["tokens_per_s"], r["simulated"]["tokens_per_s"]) for r in detail.values()) * 1.1
+    bars(draw, (40, 30, 380, 280), "tokens/s", {m: {"measured": r["measured"]["tokens_per_s"], "simulated": r["simulated"]["tokens_per_s"]} for m, r in detail.items()}, top)
+    bars(draw, (500, 30, 800, 280), "rollout idle ratio", {m: {"measured": r["measured"]["rollout_idle_ratio"], "simulated": r["simulated"]["rollout_idle_ratio"]} for m, r in detail.items()}, 1.0)
+    image.save(path)
+
+
+def _scale_config(gpus: int, steps: int, **kw) -> SimConfig:
+    return SimConfig(
+        gpus=gpus, prompts_per_step=2 * gpus, group_size=8, steps=steps, shard_degree=1 if gpus <= 8 else 8,
+        sigma=0.5, tau=0.5, delta=2, interval=2, **kw,
+    )
+
+
+def cmd_compare(args) -> int:
+    profile, workload = PROFILES.get(args.profile, QWEN3_8B_H800), REASONING_DRIFT
+    scales = {}
+    for gpus in [int(x) for x in args.scales.split(",")]:
+        t0 = time.time()
+        shard = 1 if gpus <= 8 else 8
+        options = list(range(1, (gpus - 1) // shard + 1))
+        half = max(1, (gpus // 2) // shard)
+        row = {}
+        for mode in ("sync", "one_step_off", "async"):
+            row[mode] = simulate(_scale_config(gpus, args.steps, mode=mode, replicas=half if mode != "sync" else gpus), profile, workload)
+        statics = {n: simulate(_scale_config(gpus, args.steps, mode="reflow", replicas=n), profile, workload) for n in options}
+        best = max(statics, key=lambda n: statics[n]["tokens_per_s"])
+        row["reflow_static_best"] = dict(statics[best], replicas=best, all_static={str(n): statics[n]["tokens_per_s"] for n in options})
+        row["reflow_adaptive"] = simulate(_scale_config(
+            gpus, args.steps, mode="reflow", replicas=half, adaptive_placement=True, adaptive_concurrency=True, kv_admission=True,
+            cooldown_steps=2, horizon_steps=args.steps,
+        ), profile, workload)
+        baselines = max(row[m]["tokens_per_s"] for m in ("sync", "one_step_off", "async"))
+        adaptive = row["reflow_adaptive"]["tokens_per_s"]
+        row["adaptive_vs_static_best"] = adaptive / row["reflow_static_best"]["tokens_per_s"]
+        row["adaptive_vs_best_baseline"] = adaptive / baselines
+        for mode in ("sync", "one_step_off", "async", "reflow_static_best"):
+            row[mode].pop("timeline", None)
+        scales[str(gpus)] = row
+        print(f"{gpus:4d} GPUs: " + "  ".join(f"{m} {row[m]['tokens_per_s']:.0f}" for m in ("sync", "one_step_off", "async", "reflow_static_best", "reflow_adaptive"))
+              + f"  adaptive/static-best {row['adaptive_vs_static_best']:.2f} ({time.time() - t0:.0f}s)")
+    result = {
+        "command": "python -m reflow.sim compare",
+        "profile": profile.as_dict(),
+        "workload": dataclasses.asdict(workload),
+        "steps": args.steps,
+        "scales": scales,
+        "target": {
+            "adaptive_within_5pct_of_static_best": all(s["adaptive_vs_static_best"] >= 0.95 for s in scales.values()),
+            "adaptive_ahead_of_every_baseline": all(s["adaptive_vs_best_baseline"] > 1.0 for s in scales.values()),
+        },
+    }
+    _write(args.out, result)
+    _compare_png(args.out.replace(".json", ".png"), scales)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _compare_png(path: str, scales: dict) -> None:
+    from reflow.sim.plot import bars, new_canvas, steps_line
+
+    modes = ("sync", "one_step_off", "async", "reflow_static_best", "reflow_adaptive")
+    image, draw = new_canvas(1000, 330 * len(scales))
+    for k, (gpus, row) in enumerate(scales.items()):
+        top = 30 + 330 * k
+        bars(draw, (40, top, 420, top + 250), f"{gpus} GPUs: idle ratios by mode", {
+            m.replace("reflow_", "r_"): {"trainer idle": row[m]["trainer_idle_ratio"], "rollout idle": row[m]["rollout_idle_ratio"]}
+            for m in modes
+        }, 1.0)
+        timeline = row["reflow_adaptive"]["timeline"]
+        steps = max(len(timeline), 1)
+        replicas = [(i / steps, float(t["placement"].split("x")[0][1:])) for i, t in enumerate(timeline)]
+        most = max((r for _, r in replicas), default=1.0)
+        steps_line(draw, (560, top, 880, top + 250), f"{gpus} GPUs: adaptive run, trainer replicas per step", {"replicas": replicas}, most * 1.2)
+    image.save(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m reflow.sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    fit = sub.add_parser("fit", help="a cost profile from a run's metrics.jsonl")
+    fit.add_argument("--metrics", required=True)
+    fit.add_argument("--name", default="fitted")
+    fit.add_argument("--out", default="")
+    validate = sub.add_parser("validate", help="simulated against measured, on the modes benchmark")
+    validate.add_argument("--real", default=os.path.join("outputs", "bench", "modes.json"))
+    validate.add_argument("--out", default=os.path.join("outputs", "sim", "validate.json"))
+    compare = sub.add_parser("compare", help="modes and placements at 8-128 GPUs")
+    compare.add_argument("--scales", default="8,32,128")
+    compare.add_argument("--steps", type=int, default=24)
+    compare.add_argument("--profile", default=QWEN3_8B_H800.name, choices=sorted(PROFILES))
+    compare.add_argument("--out", default=os.path.join("outputs", "sim", "compare.json"))
+    args = ap.parse_args(argv)
+    return {"fit": cmd_fit, "validate": cmd_validate, "compare": cmd_compare}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Cost models for the simulator: what an engine step, a trainer step, a weight sync and a placement change
+cost on some hardware. Named profiles ship here; ``fit_profile`` builds one from a real run's metrics.jsonl.
+
+Engine step over n running sequences holding C context tokens, admitting p prompt tokens:
+
+    step_s = step_overhead_s + n x decode_token_s + C x context_token_s + p x prefill_token_s
+
+Trainer step on one trainer rank holding T tokens of the batch: train_overhead_s + T x train_token_s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    name: str
+    source: str
+    """Where the numbers come from."""
+    step_overhead_s: float
+    decode_token_s: float
+    context_token_s: float
+    prefill_token_s: float
+    kv_budget_tokens: int
+    """KV-cache tokens per engine (one GPU, or one CPU rank)."""
+    kv_block_size: int
+    max_num_seqs: int
+    train_overhead_s: float
+    train_token_s: float
+    """Seconds per token on one trainer rank (forward, backward, the extra log-prob forward, optimizer)."""
+    weight_sync_s: float
+    transition_s: float
+
+    def step_seconds(self, sequences: int, context_tokens: int, prefill_tokens: int = 0) -> float:
+        return (
+            self.step_overhead_s + sequences * self.decode_token_s + context_tokens * self.context_token_s
+            + prefill_tokens * self.prefill_token_s
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# Qwen3-8B (36 layers, 8 KV heads of 128: 147 KB of bf16 KV per token; 8.2B parameters, 16.4 GB in bf16) on
+# H800 SXM GPUs (989 TFLOP/s dense bf16, 3.35 TB/s HBM3; NVIDIA's datasheet), one engine per GPU:
+#   step overhead   the weights read once per decode step at ~60% of HBM bandwidth: 16.4 GB / 2.0 TB/s
+#   decode token    2 x 8.2e9 FLOPs per token at 50% of peak
+#   context token   147 KB of KV read per context token per step at 2.0 TB/s
+#   prefill token   as a decode token (compute-bound)
+#   KV budget       ~50 GB left at gpu_memory_utilization 0.9 after weights and activations: 340k tokens
+#   trainer token   8 x 8.2e9 FLOPs (6N for forward + backward, 2N for the old log-probs) at 40% MFU, the
+#                   figure torchtitan reports for FSDP2 on H100-class GPUs
+#   weight sync     16.4 GB broadcast over the rollout pool (~3 s); transition: the paper's 5.72 s (16:16 -> 24:8
+#                   on 32 GPUs)
+QWEN3_8B_H800 = CostProfile(
+    name="qwen3-8b-h800",
+    source="derived from published hardware and model numbers (see reflow/sim/profiles.py); not measured",
+    step_overhead_s=16.4e9 / 2.0e12,
+    decode_token_s=2 * 8.2e9 / (0.5 * 989e12),
+    context_token_s=147e3 / 2.0e12,
+    prefill_token_s=2 * 8.2e9 / (0.5 * 989e12),
+    kv_budget_tokens=340_000,
+    kv_block_size=16,
+    max_num_seqs=256,
+    train_overhead_s=1.0,
+    train_token_s=8 * 8.2e9 / (0.4 * 989e12),
+    weight_sync_s=3.0,
+    transition_s=5.72,
+)
+
+# The tiny Qwen3 on this project's 2-core CPU machines, one rank per core (job.cpu_affinity): fitted with
+# ``python -m reflow.sim fit`` from the modes benchmark's reflow run (train_configs/bench_modes.toml).
+TINY_CPU = CostProfile(
+    name="tiny-cpu",
+    source="fitted by `python -m reflow.sim fit` from outputs/bench/modes/reflow/metrics.jsonl",
+    step_overhead_s=0.0080,
+    decode_token_s=0.00012,
+    context_token_s=0.0,
+    prefill_token_s=0.0,
+    kv_budget_tokens=500_000,
+    kv_block_size=128,
+    max_num_seqs=256,
+    train_overhead_s=0.05,
+    train_token_s=0.00025,
+    weight_sync_s=0.15,
+    transition_s=0.3,
+)
+
+PROFILES = {profile.name: profile for profile in (TINY_CPU, QWEN3_8B_H800)}
+
+
+def _least_squares(rows: list[tuple[float, ...]], targets: list[float]) -> list[float]:
+    """Non-negative least squares for a handful of columns (clip and refit the free ones)."""
+    import numpy as np
+
+    matrix, target = np.asarray(rows, dtype=float), np.asarray(targets, dtype=float)
+    free = list(range(matrix.shape[1]))
+    solution = np.zeros(matrix.shape[1])
+    while free:
+        coef, *_ = np.linalg.lstsq(matrix[:, free], target, rcond=None)
+        if (coef >= 0).all():
+            solution[free] = coef
+            break
+        free = [column for column, c in zip(free, coef) if c > 0]
+    return solution.tolist()
+
+
+def fit_profile(metrics_path: str, name: str, base: CostProfile = TINY_CPU) -> CostProfile:
+    """A profile from a decoupled run's metrics.jsonl: engine cost from the rollout windows (busy seconds
+    against engine steps and sequences stepped), trainer cost from train time against tokens per rank,
+    weight sync and transition from their means. Fields the run cannot tell keep ``base``'s values."""
+    rows = [json.loads(line) for line in open(metrics_path)]
+    steps = [r for r in rows if "train_time_s" in r and r.get("rollout_engine_steps")]
+    if len(steps) < 3:
+        raise ValueError(f"{metrics_path}: needs at least 3 steps of a decoupled run with rollout windows, found {len(steps)}")
+    overhead, per_sequence = _least_squares(
+        [(r["rollout_engine_steps"], r["rollout_step_sequences"]) for r in steps], [r["rollout_busy_s"] for r in steps]
+    )
+    trainer_ranks = [int(r["placement"].split("x")[0][1:]) * int(r["placement"].split("x")[1].split("+")[0]) for r in steps]
+    train_overhead, per_token = _least_squares(
+        [(1.0, r["trainer_tokens"] / ranks) for r, ranks in zip(steps, trainer_ranks)], [r["train_time_s"] for r in steps]
+    )
+    syncs = [r["weight_sync_s"] for r in steps if r["weight_sync_s"] > 0]
+    changes = [r["transition_s"] for r in rows if "transition_s" in r]
+    return CostProfile(
+        name=name,
+        source=f"fitted from {metrics_path} ({len(steps)} steps)",
+        step_overhead_s=overhead,
+        decode_token_s=per_sequence,
+        context_token_s=0.0,
+        prefill_token_s=0.0,
+        kv_budget_tokens=base.kv_budget_tokens,
+        kv_block_size=base.kv_block_size,
+        max_num_seqs=base.max_num_seqs,
+        train_overhead_s=train_overhead,
+        train_token_s=per_token,
+        weight_sync_s=sum(syncs) / len(syncs) if syncs else base.weight_sync_s,
+        transition_s=sum(changes) / len(changes) if changes else base.transition_s,
+    )
