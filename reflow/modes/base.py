@@ -237,6 +237,7 @@ class ModeBase:
             "tokens_per_s": vec[4].item() / max(step_time, 1e-9),
             "step_time_s": step_time,
             "policy_version": self.version,
+            "placement": self.parts.placement.name,
             "staleness_counts": staleness_counts,
             "staleness_max": max((k for k, n in enumerate(staleness_counts) if n), default=0),
             "num_samples": int(vec[2].item()),

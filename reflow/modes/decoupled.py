@@ -52,7 +52,10 @@ Rank 0 trains in every placement and leads. Collectives happen only on the main 
 
 Invariants the argument uses. (I1) A sample's birth version (oldest token) is the engine version it was
 admitted under: the first-token rule at SyncWeights. (I2) Commands arrive in the order sent, and a rollout
-rank admits what a Progress grants before it applies the next command. So the room granted after step s
+rank admits what a Progress grants before it applies the next command, unless its admission gate (the
+scheduler's concurrency cap or KV rule, async and reflow only) holds a group back; the gate only does so
+while the engine has requests in flight, so the group starts after finitely many engine steps, under
+weights at least as new: later and fresher, never staler. So the room granted after step s
 is admitted after the SyncWeights of step s and before the next one: on weights no older than s - (k - 1),
 and, with k = 1, exactly s. (I3) Every shard owns a fixed share of each limit (whole groups),
 at least b/A over the rollout ranks (A trainer shards; training.prompts_per_step is a multiple of A).
@@ -70,12 +73,13 @@ one_step_off (window 2b, k = 1, eligible = born at v - 1): by induction on v fro
 started or resumed at (where every sample is born and the floor is 0), each shard gets exactly b/A samples
 born at v - 1 and b/A born at v, because the room a step's Progress grants is what that step
 consumed, and all of it is admitted at once (validated: rollout.max_num_seqs holds a rank's whole share of
-the window; I1, I2). (3) At the end rank 0 sends Stop; rollout ranks drop their in-flight requests; every rank
+the window, and no admission gate runs in this mode; I1, I2). (3) At the end rank 0 sends Stop; rollout ranks drop their in-flight requests; every rank
 sends END to every other rank on the data plane and drains until END from every other rank. Every thread
 exits; nothing sent is left unreceived.
 
 Placement changes (``_transition``; reflow mode). At every sync point trainer rank 0 asks the run's
-``PlacementController`` (today ``ForcedSchedule``, from placement.schedule) and broadcasts the answer to the
+``PlacementController`` (``ForcedSchedule`` from placement.schedule, or ``PlacementPlanner`` with
+scheduler.adaptive_placement, fed the step rows since its last decision) and broadcasts the answer to the
 trainer ranks; on a change, the trainer ranks leave their loop and rank 0 sends Transition(n') to every
 rollout rank instead of the next command. Placements' trainer ranks are a prefix of the world (0 .. n S - 1). A rollout rank generates
 everything it admitted to the end, sends it, sends FLUSH to every trainer rank and joins; a trainer rank

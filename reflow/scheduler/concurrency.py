@@ -18,14 +18,16 @@ grow, or trims early, while the in-flight requests' KV is still growing toward t
 fill the cache well after they were admitted.
 
 Fast admission (``KVAdmission``), before each request group: admit it to the worker only if that worker's
-predicted KV tokens plus the group's estimate stay within rho x its budget,
-``(T_pred + T_hat) / budget <= rho``, and the worker's cap has room for the group. T_hat counts the shared
-prompt once (vLLM's prefix cache shares its full blocks) and each response at a recent high percentile of
-finished response lengths, in whole KV blocks; T_pred sums the groups in flight, each response at the mean
-of the recent lengths that reached its current length (its expected end: summing a high percentile for
-every running sequence would count the tail once per sequence and leave the cache half empty). Among several workers (``choose``) the group goes to the least loaded
-one that passes. A worker with nothing in flight always admits (a group larger than rho x budget must still
-run, and the engine then preempts rather than deadlocks).
+predicted KV tokens plus the group's estimate stay within rho x its budget, ``(T_pred + T_hat) / budget <=
+rho``, and the worker's cap has room for the group. T_hat counts the shared prompt once (vLLM's prefix cache
+shares its full blocks) and each response at a recent high percentile of finished response lengths, in
+whole KV blocks; T_pred sums the groups in flight, each response at the mean of the recent lengths that
+reached its current length (its expected end: summing a high percentile for every running sequence would
+count the tail once per sequence and leave the cache half empty). A worker with nothing in flight always
+admits (a group larger than rho x budget must still run, and the engine then preempts rather than
+deadlocks). Each rollout worker applies the rule to its own engine, whose KV cache is its own; the dispatch
+budget already spreads the groups over the workers in equal shares, so the rule decides when a worker's
+next group starts, not which worker takes it.
 """
 
 from __future__ import annotations
@@ -200,10 +202,3 @@ class KVAdmission:
         if load.in_flight + group_size > load.cap:
             return False
         return (load.predicted_tokens + estimate) / max(load.kv_budget_tokens, 1) <= self.rho
-
-    def choose(self, loads: list[WorkerLoad], estimate: float, group_size: int) -> int | None:
-        """The worker (index in ``loads``) a group goes to: the least loaded one that admits it, else None."""
-        passing = [i for i, load in enumerate(loads) if self.admits(load, estimate, group_size)]
-        if not passing:
-            return None
-        return min(passing, key=lambda i: (loads[i].predicted_tokens + estimate) / max(loads[i].kv_budget_tokens, 1))

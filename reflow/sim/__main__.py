@@ -1,19 +1,19 @@
 """The simulator's commands.
 
-    python -m reflow.sim fit --metrics outputs/bench/modes/reflow/metrics.jsonl [--name tiny-cpu] [--out profile.json]
+    python -m reflow.sim fit --metrics outputs/bench/*/metrics.jsonl [--name tiny-cpu] [--out profile.json]
     python -m reflow.sim validate [--real outputs/bench/modes.json] [--out outputs/sim/validate.json]
     python -m reflow.sim compare [--scales 8,32,128] [--steps 24] [--out outputs/sim/compare.json]
 
 fit       a cost profile from a real decoupled run's metrics.jsonl (``reflow.sim.profiles.fit_profile``)
 validate  replays the modes benchmark's configuration (train_configs/bench_modes.toml, its world size and
-          split) in the simulator, with the tiny-cpu profile fitted from that benchmark's own reflow run, and
+          split) in the simulator, with a tiny-cpu profile fitted from that benchmark's four runs, and
           reports the relative error of each mode's tokens/s and the error of its idle ratios (a fraction
           of time: the absolute difference) against the measured ones. Top-level keys: throughput_error and
           idle_error (the worst over modes), and per-mode detail. Run ``python -m reflow.bench modes``
           first. Target: within 0.10.
 compare   the paper's baselines and reflow on the reasoning-drift workload with the Qwen3-8B/H800
-          profile, at each scale: sync, one_step_off, async, reflow_static_best (every static split tried,
-          the best in hindsight) and reflow_adaptive (placement planner, concurrency controller and KV
+          profile, at each scale: sync, one_step_off, async, reflow_static_best (static splits tried, every
+          replica count up to 8 of them, else 8 evenly spaced; the best in hindsight) and reflow_adaptive (placement planner, concurrency controller and KV
           rule). Top-level key ``scales``. Target: adaptive within 5% of (or above) the best static split
           and ahead of every baseline.
 
@@ -71,14 +71,21 @@ def cmd_validate(args) -> int:
     bench = _bench_config(real)
     cfg, world = bench["cfg"], bench["world"]
     work_dir = os.path.dirname(os.path.abspath(args.real))
-    metrics = os.path.join(work_dir, "modes", "reflow", "metrics.jsonl")
-    if not os.path.exists(metrics):
-        metrics = os.path.join(work_dir, "reflow", "metrics.jsonl")
-    profile = fit_profile(metrics, "tiny-cpu (fitted)")
-    workload = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
+    metrics = {mode: os.path.join(work_dir, mode, "metrics.jsonl") for mode in MODES}
+    missing = [path for path in metrics.values() if not os.path.exists(path)]
+    if missing:
+        print(f"reflow.sim validate: {', '.join(missing)} not found: run `python -m reflow.bench modes` first", file=sys.stderr)
+        return 2
+    profile = fit_profile(list(metrics.values()), "tiny-cpu (fitted)")
+    dataset = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
     detail, throughput_errors, idle_errors = {}, [], []
     for mode in MODES:
         measured = real["modes"][mode]
+        # the task's answer lengths, scaled to what the policy wrote in this run (it learns as it trains)
+        lengths = [json.loads(line)["response_len_mean"] for line in open(metrics[mode]) if "response_len_mean" in line]
+        mean_dataset = sum(dataset.empirical) / len(dataset.empirical)
+        scale = (sum(lengths) / len(lengths)) / mean_dataset
+        workload = dataclasses.replace(dataset, empirical=tuple(max(1, round(n * scale)) for n in dataset.empirical))
         sim = simulate(SimConfig(
             mode=mode, gpus=world, prompts_per_step=cfg.training.prompts_per_step, group_size=cfg.training.group_size,
             steps=measured["steps"], replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
@@ -99,7 +106,10 @@ def cmd_validate(args) -> int:
         "command": "python -m reflow.sim validate",
         "real": os.path.relpath(args.real, ROOT) if os.path.isabs(args.real) else args.real,
         "profile": profile.as_dict(),
-        "workload": {"train_file": cfg.task.train_file, "prompt_tokens": workload.prompt_tokens, "median_tokens": workload.median_tokens},
+        "workload": {
+            "train_file": cfg.task.train_file, "prompt_tokens": dataset.prompt_tokens,
+            "response_tokens": "the file's answer lengths, scaled per mode to the run's mean response length",
+        },
         "throughput_error": max(throughput_errors),
         "idle_error": max(idle_errors),
         "target": {"within": 0.10, "met": max(throughput_errors) <= 0.10 and max(idle_errors) <= 0.10},
@@ -138,7 +148,8 @@ def cmd_compare(args) -> int:
     for gpus in [int(x) for x in args.scales.split(",")]:
         t0 = time.time()
         shard = 1 if gpus <= 8 else 8
-        options = list(range(1, (gpus - 1) // shard + 1))
+        most = (gpus - 1) // shard
+        options = sorted({round(1 + k * (most - 1) / 7) for k in range(8)}) if most > 8 else list(range(1, most + 1))
         half = max(1, (gpus // 2) // shard)
         row = {}
         for mode in ("sync", "one_step_off", "async"):
@@ -199,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m reflow.sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     fit = sub.add_parser("fit", help="a cost profile from a run's metrics.jsonl")
-    fit.add_argument("--metrics", required=True)
+    fit.add_argument("--metrics", required=True, nargs="+", help="one or more metrics.jsonl files")
     fit.add_argument("--name", default="fitted")
     fit.add_argument("--out", default="")
     validate = sub.add_parser("validate", help="simulated against measured, on the modes benchmark")

@@ -5,7 +5,8 @@ Engine step over n running sequences holding C context tokens, admitting p promp
 
     step_s = step_overhead_s + n x decode_token_s + C x context_token_s + p x prefill_token_s
 
-Trainer step on one trainer rank holding T tokens of the batch: train_overhead_s + T x train_token_s.
+Trainer step on one trainer rank holding T tokens of the batch: train_overhead_s + T x train_token_s, plus
+train_collective_s when the trainer has more than one rank.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class CostProfile:
     train_overhead_s: float
     train_token_s: float
     """Seconds per token on one trainer rank (forward, backward, the extra log-prob forward, optimizer)."""
+    train_collective_s: float
+    """Added to a trainer step when the trainer has more than one rank (FSDP gathers and reductions)."""
     weight_sync_s: float
     transition_s: float
 
@@ -51,7 +54,8 @@ class CostProfile:
 #   prefill token   as a decode token (compute-bound)
 #   KV budget       ~50 GB left at gpu_memory_utilization 0.9 after weights and activations: 340k tokens
 #   trainer token   8 x 8.2e9 FLOPs (6N for forward + backward, 2N for the old log-probs) at 40% MFU, the
-#                   figure torchtitan reports for FSDP2 on H100-class GPUs
+#                   figure torchtitan reports for FSDP2 on H100-class GPUs; collectives not hidden by the
+#                   overlap: 0.5 s a step
 #   weight sync     16.4 GB broadcast over the rollout pool (~3 s); transition: the paper's 5.72 s (16:16 -> 24:8
 #                   on 32 GPUs)
 QWEN3_8B_H800 = CostProfile(
@@ -66,25 +70,28 @@ QWEN3_8B_H800 = CostProfile(
     max_num_seqs=256,
     train_overhead_s=1.0,
     train_token_s=8 * 8.2e9 / (0.4 * 989e12),
+    train_collective_s=0.5,
     weight_sync_s=3.0,
     transition_s=5.72,
 )
 
 # The tiny Qwen3 on this project's 2-core CPU machines, one rank per core (job.cpu_affinity): fitted with
-# ``python -m reflow.sim fit`` from the modes benchmark's reflow run (train_configs/bench_modes.toml).
+# ``python -m reflow.sim fit`` from the four runs of the modes benchmark (train_configs/bench_modes.toml,
+# 2 ranks); see that command for how.
 TINY_CPU = CostProfile(
     name="tiny-cpu",
-    source="fitted by `python -m reflow.sim fit` from outputs/bench/modes/reflow/metrics.jsonl",
-    step_overhead_s=0.0080,
-    decode_token_s=0.00012,
+    source="python -m reflow.sim fit --metrics outputs/bench/{sync,one_step_off,async,reflow}/metrics.jsonl",
+    step_overhead_s=0.00358,
+    decode_token_s=0.000165,
     context_token_s=0.0,
     prefill_token_s=0.0,
     kv_budget_tokens=500_000,
     kv_block_size=128,
     max_num_seqs=256,
-    train_overhead_s=0.05,
-    train_token_s=0.00025,
-    weight_sync_s=0.15,
+    train_overhead_s=0.034,
+    train_token_s=0.000189,
+    train_collective_s=0.19,
+    weight_sync_s=0.0089,
     transition_s=0.3,
 )
 
@@ -107,35 +114,58 @@ def _least_squares(rows: list[tuple[float, ...]], targets: list[float]) -> list[
     return solution.tolist()
 
 
-def fit_profile(metrics_path: str, name: str, base: CostProfile = TINY_CPU) -> CostProfile:
-    """A profile from a decoupled run's metrics.jsonl: engine cost from the rollout windows (busy seconds
-    against engine steps and sequences stepped), trainer cost from train time against tokens per rank,
-    weight sync and transition from their means. Fields the run cannot tell keep ``base``'s values."""
-    rows = [json.loads(line) for line in open(metrics_path)]
-    steps = [r for r in rows if "train_time_s" in r and r.get("rollout_engine_steps")]
-    if len(steps) < 3:
-        raise ValueError(f"{metrics_path}: needs at least 3 steps of a decoupled run with rollout windows, found {len(steps)}")
+def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CPU) -> CostProfile:
+    """A profile from real runs' metrics.jsonl files (several modes of one benchmark, or one run):
+
+      engine    busy seconds of each rollout window against its engine steps and the sequences they stepped
+                (decoupled runs' rows carry rollout_engine_steps and rollout_step_sequences)
+      trainer   train_time_s of each step against 1, its tokens per trainer rank and whether the trainer had
+                more than one rank (the collectives)
+      sync      the mean weight_sync_s of the steps that synced
+
+    Fields the runs cannot tell (KV budget, block size, prefill and context costs, a transition when none
+    happened) keep ``base``'s values."""
+    rows = []
+    for path in metrics_paths:
+        rows += [json.loads(line) for line in open(path)]
+    windows = [r for r in rows if r.get("rollout_engine_steps")]
+    steps = [r for r in rows if "train_time_s" in r and "placement" in r]
+    if len(windows) < 3 or len(steps) < 3:
+        raise ValueError(
+            f"{', '.join(metrics_paths)}: need at least 3 steps of a decoupled run with rollout windows "
+            f"(found {len(windows)} windows, {len(steps)} steps)"
+        )
     overhead, per_sequence = _least_squares(
-        [(r["rollout_engine_steps"], r["rollout_step_sequences"]) for r in steps], [r["rollout_busy_s"] for r in steps]
+        [(r["rollout_engine_steps"], r["rollout_step_sequences"]) for r in windows], [r["rollout_busy_s"] for r in windows]
     )
-    trainer_ranks = [int(r["placement"].split("x")[0][1:]) * int(r["placement"].split("x")[1].split("+")[0]) for r in steps]
-    train_overhead, per_token = _least_squares(
-        [(1.0, r["trainer_tokens"] / ranks) for r, ranks in zip(steps, trainer_ranks)], [r["train_time_s"] for r in steps]
-    )
+    ranks = [trainer_ranks(r["placement"]) for r in steps]
+    columns = [(1.0, r["trainer_tokens"] / n, 1.0 if n > 1 else 0.0) for r, n in zip(steps, ranks)]
+    if not any(c[2] for c in columns):
+        columns = [c[:2] for c in columns]
+    coefficients = _least_squares(columns, [r["train_time_s"] for r in steps])
+    train_overhead, per_token = coefficients[:2]
+    collective = coefficients[2] if len(coefficients) > 2 else base.train_collective_s
     syncs = [r["weight_sync_s"] for r in steps if r["weight_sync_s"] > 0]
     changes = [r["transition_s"] for r in rows if "transition_s" in r]
     return CostProfile(
         name=name,
-        source=f"fitted from {metrics_path} ({len(steps)} steps)",
+        source=f"fitted from {', '.join(metrics_paths)} ({len(windows)} rollout windows, {len(steps)} steps)",
         step_overhead_s=overhead,
         decode_token_s=per_sequence,
-        context_token_s=0.0,
-        prefill_token_s=0.0,
+        context_token_s=base.context_token_s,
+        prefill_token_s=base.prefill_token_s,
         kv_budget_tokens=base.kv_budget_tokens,
         kv_block_size=base.kv_block_size,
         max_num_seqs=base.max_num_seqs,
         train_overhead_s=train_overhead,
         train_token_s=per_token,
+        train_collective_s=collective,
         weight_sync_s=sum(syncs) / len(syncs) if syncs else base.weight_sync_s,
         transition_s=sum(changes) / len(changes) if changes else base.transition_s,
     )
+
+
+def trainer_ranks(placement: str) -> int:
+    """Trainer ranks of a placement name: "T2x1+R2" -> 2, a colocated run of 2 ranks "T1x2+R0" -> 2."""
+    replicas, rest = placement[1:].split("x", 1)
+    return int(replicas) * int(rest.split("+", 1)[0])

@@ -55,6 +55,8 @@ class SimConfig:
     adaptive_concurrency: bool = False
     kv_admission: bool = False
     adaptive_placement: bool = False
+    rho: float = 0.9
+    response_percentile: float = 0.9
     cooldown_steps: int = 4
     margin: float = 0.1
     horizon_steps: int = 20
@@ -121,12 +123,12 @@ class _Rollout:
 
     def __init__(self, engine: SimEngine, budget: DispatchBudget, index: int, cfg: SimConfig, profile: CostProfile, workload: Workload):
         self.engine, self.budget, self.index = engine, budget, index
-        self.lengths = ResponseLengths(0.9, window=256, initial=workload.max_tokens)
+        self.lengths = ResponseLengths(cfg.response_percentile, window=256, initial=workload.max_tokens)
         self.controller = (
             ConcurrencyController(ConcurrencySettings(min_cap=cfg.group_size, max_cap=profile.max_num_seqs), profile.max_num_seqs)
             if cfg.adaptive_concurrency else None
         )
-        self.kv_rule = KVAdmission(0.9, self.lengths, profile.kv_block_size) if cfg.kv_admission else None
+        self.kv_rule = KVAdmission(cfg.rho, self.lengths, profile.kv_block_size) if cfg.kv_admission else None
 
     @property
     def cap(self) -> int:
@@ -328,14 +330,20 @@ class DecoupledSim:
             busy0 = sum(r.engine.busy_s for r in self.rollouts)
             idle0 = sum(r.engine.idle_s for r in self.rollouts)
             self.received = 0
-            # 1. wait until every shard can serve a batch
-            while not self._ready():
-                now = self._step_earliest()
-                if now is None:
-                    raise RuntimeError(f"simulated {cfg.mode} deadlocked at step {self.steps_done + 1}: no engine has work")
-                self.clock = max(self.clock, now)
+            # 1. wait until every shard can serve a batch (the other engines catch up to that time, and what they
+            #    deliver meanwhile goes through the same staleness check)
+            while True:
+                while not self._ready():
+                    delivered = self.received
+                    while self.received == delivered:  # the shards change only when a group arrives
+                        now = self._step_earliest()
+                        if now is None:
+                            raise RuntimeError(f"simulated {cfg.mode} deadlocked at step {self.steps_done + 1}: no engine has work")
+                        self.clock = max(self.clock, now)
+                self._run_engines_to(self.clock)
+                if self._ready():
+                    break
             ready = self.clock
-            self._run_engines_to(ready)
             # 2. train: every shard's batch; the slowest rank sets the time
             per_shard = cfg.batch // len(self.shards)
             plans = [buffer.plan_batch(per_shard, self.version) for buffer in self.shards]
@@ -345,6 +353,8 @@ class DecoupledSim:
                 for sample in plan.fresh + plan.replayed:
                     staleness[sample.staleness(self.version)] += 1
             train_end = ready + profile.train_overhead_s + max(rank_tokens) * profile.train_token_s
+            if len(self.shards) > 1:
+                train_end += profile.train_collective_s
             self._run_engines_to(train_end)
             self.clock = train_end
             # 3. retire and tell the budgets
@@ -414,7 +424,8 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
                 for seq in engine.step(float("inf")) or []:
                     tokens[rank] += seq.prompt_tokens + seq.generated
         generated = max(engine.clock for engine in engines)
-        clock = generated + profile.train_overhead_s + max(tokens) * profile.train_token_s + profile.weight_sync_s
+        train = profile.train_overhead_s + max(tokens) * profile.train_token_s + (profile.train_collective_s if cfg.gpus > 1 else 0.0)
+        clock = generated + train + profile.weight_sync_s
         for engine in engines:  # each waits for the slowest, then for training and the sync
             engine.idle_s += clock - engine.clock
             engine.clock = clock
@@ -422,7 +433,7 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
             step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(tokens),
             received=cfg.batch, fresh=cfg.batch, replayed=0,
             rollout_busy_s=sum(e.busy_s for e in engines) - busy0, rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
-            placement=f"colocated x{cfg.gpus}",
+            placement=f"T1x{cfg.gpus}+R0",
         ))
     return summarize(records, cfg.warmup_steps, [])
 

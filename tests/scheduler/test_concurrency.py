@@ -109,14 +109,3 @@ def test_admission_never_exceeds_rho_and_respects_the_cap():
     assert not admission.admits(WorkerLoad(7_601, BUDGET, 8, 64), estimate, 4)
     assert not admission.admits(WorkerLoad(0, BUDGET, 62, 64), estimate, 4)  # the cap
     assert admission.admits(WorkerLoad(50_000, BUDGET, 0, 64), estimate, 4)  # an empty engine always admits
-
-
-def test_a_group_goes_to_the_least_loaded_worker_that_admits_it():
-    admission = KVAdmission(0.9, ResponseLengths(1.0, window=8, initial=100))
-    loads = [
-        WorkerLoad(6_000, BUDGET, 16, 64),  # 0.64 after the group
-        WorkerLoad(2_000, 4_000, 16, 64),  # 0.6: least loaded relative to its budget
-        WorkerLoad(1_000, BUDGET, 62, 64),  # no room under its cap
-    ]
-    assert admission.choose(loads, 400, 4) == 1
-    assert admission.choose([WorkerLoad(8_800, BUDGET, 8, 64)], 400, 4) is None

@@ -1,0 +1,103 @@
+"""The simulator: its engine's paged KV cache, the modes' guarantees when it runs the real scheduling
+classes, the planner moving ranks in simulated time, and profile fitting."""
+
+import json
+import random
+
+import pytest
+
+from reflow.sim.engine import SimEngine, SimSequence
+from reflow.sim.profiles import QWEN3_8B_H800, TINY_CPU, CostProfile, fit_profile
+from reflow.sim.system import SimConfig, simulate
+from reflow.sim.workload import Workload
+
+PROFILE = CostProfile(
+    name="test", source="test", step_overhead_s=0.01, decode_token_s=0.001, context_token_s=0.0, prefill_token_s=0.0,
+    kv_budget_tokens=64 * 16, kv_block_size=16, max_num_seqs=64, train_overhead_s=0.1, train_token_s=0.0005,
+    train_collective_s=0.02, weight_sync_s=0.05, transition_s=0.2,
+)
+WORKLOAD = Workload(name="test", prompt_tokens=20, median_tokens=30, sigma=0.6, max_tokens=200)
+
+
+def sequences(group: str, count: int, prompt: int, target: int) -> list[SimSequence]:
+    return [SimSequence(f"{group}/{k}", group, 0, 0, prompt, target, 0, 0) for k in range(count)]
+
+
+def test_engine_shares_full_prompt_blocks_and_costs_each_step():
+    engine = SimEngine(PROFILE, 0, max_steps=8)
+    engine.add(sequences("a", 4, prompt=40, target=8))  # 2 full prompt blocks shared, 8 + 8 tokens each: 1 block
+    finished = engine.step(float("inf"))
+    assert [s.generated for s in finished] == [8] * 4
+    assert engine.engine_steps == 8 and engine.step_sequences == 32
+    assert engine.busy_s == pytest.approx(8 * (0.01 + 4 * 0.001))
+    assert engine._blocks(finished) == 2 + 4 * 1
+
+
+def test_engine_preempts_the_newest_sequence_when_the_cache_runs_out():
+    small = CostProfile(**{**PROFILE.as_dict(), "kv_budget_tokens": 10 * 16})  # 10 blocks
+    engine = SimEngine(small, 0, max_steps=4)
+    engine.add(sequences("a", 4, prompt=8, target=60) + sequences("b", 4, prompt=8, target=60))
+    done = []
+    while engine.num_active:
+        done += engine.step(float("inf")) or []
+    assert len(done) == 8 and all(s.generated == 60 for s in done)
+    assert engine.preemptions > 0
+    assert engine.kv_usage_sum / engine.engine_steps <= 1.0
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async", "reflow"])
+def test_decoupled_modes_keep_their_staleness_guarantees_in_simulation(mode):
+    cfg = SimConfig(mode=mode, gpus=4, prompts_per_step=8, group_size=4, steps=12, replicas=2, sigma=0.5, delta=2, interval=2)
+    result = simulate(cfg, PROFILE, WORKLOAD)
+    assert result["steps"] == 12
+    counts = result["staleness_counts"]
+    if mode == "one_step_off":  # delta 1: step 1 trains version 0's samples, then exactly one version old
+        assert len(counts) == 2 and counts[0] == 32 and counts[1] == 11 * 32
+    else:
+        assert len(counts) == 3  # nothing trained staler than delta (the ReplayBuffer refuses it)
+    assert 0 <= result["trainer_idle_ratio"] <= 1 and 0 <= result["rollout_idle_ratio"] <= 1
+
+
+def test_sync_alternates_generation_and_training():
+    cfg = SimConfig(mode="sync", gpus=2, prompts_per_step=8, group_size=4, steps=5)
+    result = simulate(cfg, PROFILE, WORKLOAD)
+    assert result["steps"] == 5 and result["trainer_idle_ratio"] > 0 and result["rollout_idle_ratio"] > 0
+
+
+def test_the_planner_moves_ranks_toward_the_bottleneck_and_says_why():
+    """Training is 20x costlier per token than generation here: one trainer replica of 8 GPUs starves 7
+    engines' worth of samples; the planner adds replicas."""
+    heavy_trainer = CostProfile(**{**PROFILE.as_dict(), "train_token_s": 0.01})
+    cfg = SimConfig(mode="reflow", gpus=8, prompts_per_step=16, group_size=4, steps=20, replicas=1, interval=2,
+                    adaptive_placement=True, cooldown_steps=2, horizon_steps=20)
+    result = simulate(cfg, heavy_trainer, WORKLOAD)
+    assert result["transitions"], result["timeline"]
+    first = result["transitions"][0]
+    assert first["transition"].startswith("T1x1+R7 -> T") and "mismatch" in first["reason"]
+    assert int(result["timeline"][-1]["placement"].split("x")[0][1:]) > 1
+
+
+def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
+    rng = random.Random(0)
+    rows = []
+    for step in range(1, 21):
+        steps, sequences_stepped, tokens = rng.randint(50, 150), rng.randint(1000, 6000), rng.randint(2000, 9000)
+        ranks = 1 + step % 2  # T1x1+R3 and T2x1+R2 in turn: the collectives cost 0.02 s with 2 ranks
+        rows.append({
+            "step": step, "placement": f"T{ranks}x1+R{4 - ranks}", "rollout_engine_steps": steps,
+            "rollout_step_sequences": sequences_stepped, "rollout_busy_s": 0.004 * steps + 0.0002 * sequences_stepped,
+            "trainer_tokens": tokens, "train_time_s": 0.05 + 0.0003 * tokens / ranks + (0.02 if ranks > 1 else 0.0),
+            "weight_sync_s": 0.1 if step % 2 == 0 else 0.0,
+        })
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    profile = fit_profile([str(path)], "synthetic")
+    assert profile.step_overhead_s == pytest.approx(0.004) and profile.decode_token_s == pytest.approx(0.0002)
+    assert profile.train_overhead_s == pytest.approx(0.05) and profile.train_token_s == pytest.approx(0.0003)
+    assert profile.train_collective_s == pytest.approx(0.02)
+    assert profile.weight_sync_s == pytest.approx(0.1)
+
+
+def test_shipped_profiles_are_complete():
+    for profile in (TINY_CPU, QWEN3_8B_H800):
+        assert profile.source and profile.kv_budget_tokens > 0 and profile.train_token_s > 0
