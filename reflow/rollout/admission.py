@@ -20,12 +20,12 @@ import time
 from reflow.config.job_config import JobConfig
 from reflow.rollout.engine import RolloutEngine
 from reflow.scheduler.concurrency import (
+    AdmissionRule,
     CapDecision,
     ConcurrencyController,
     ConcurrencySettings,
     KVAdmission,
     ResponseLengths,
-    WorkerLoad,
 )
 
 
@@ -34,19 +34,17 @@ class AdmissionGate:
         scheduler = cfg.scheduler
         self.engine = engine
         self.group_size = group_size
-        self.max_cap = cfg.rollout.max_num_seqs
-        self.controller = (
-            ConcurrencyController(
-                ConcurrencySettings(alpha=scheduler.alpha, interval_s=scheduler.interval_s, min_cap=group_size, max_cap=self.max_cap),
-                initial_cap=self.max_cap,
-            )
-            if scheduler.adaptive_concurrency
-            else None
-        )
+        max_cap = cfg.rollout.max_num_seqs
         self.lengths = ResponseLengths(scheduler.response_percentile, window=256, initial=cfg.rollout.max_new_tokens)
-        self.kv_rule = (
-            KVAdmission(scheduler.rho, self.lengths, block_size=engine.signal_reader.block_size) if scheduler.kv_admission else None
+        self.rule = AdmissionRule(
+            max_cap,
+            ConcurrencyController(
+                ConcurrencySettings(alpha=scheduler.alpha, interval_s=scheduler.interval_s, min_cap=group_size, max_cap=max_cap),
+                initial_cap=max_cap,
+            ) if scheduler.adaptive_concurrency else None,
+            KVAdmission(scheduler.rho, self.lengths, block_size=engine.signal_reader.block_size) if scheduler.kv_admission else None,
         )
+        self.controller = self.rule.controller
         self.decisions: list[CapDecision] = []
         self._reset_window()
 
@@ -56,31 +54,22 @@ class AdmissionGate:
 
     @property
     def cap(self) -> int:
-        return self.controller.cap if self.controller is not None else self.max_cap
+        return self.rule.cap
 
-    def predicted_tokens(self) -> int:
-        """T_pred: the KV rule's estimate of every group in flight, each response at its expected end."""
+    def groups_in_flight(self) -> list[tuple[int, list[int]]]:
+        """(prompt length, tokens generated per sequence) of every group in flight."""
         groups: dict[str, tuple[int, list[int]]] = {}
         for req in self.engine.active.values():
             groups.setdefault(req.meta["group"], (len(req.prompt_ids), []))[1].append(len(req.output_ids))
-        return sum(self.kv_rule.in_flight_estimate(prompt_len, lengths) for prompt_len, lengths in groups.values())
+        return list(groups.values())
 
     def allows(self, prompt_len: int) -> bool:
-        """May a group with this prompt start now? Counts the answer (and, when the cap refuses, tells the
-        controller that its cap binds)."""
-        in_flight = self.engine.num_active
-        if in_flight + self.group_size > self.cap and in_flight > 0:
-            if self.controller is not None:
-                self.controller.note_cap_binding()
-            self.window["gate_refusals"] += 1
-            return False
-        if self.kv_rule is not None:
-            load = WorkerLoad(self.predicted_tokens(), self.engine.signals.kv_budget_tokens, in_flight, self.cap)
-            if not self.kv_rule.admits(load, self.kv_rule.group_estimate(prompt_len, self.group_size), self.group_size):
-                self.window["gate_refusals"] += 1
-                return False
-        self.window["admitted_groups"] += 1
-        return True
+        """May a group with this prompt start now? Counts the answer."""
+        refusal = self.rule.refuses(
+            self.engine.num_active, self.engine.signals.kv_budget_tokens, prompt_len, self.group_size, self.groups_in_flight
+        )
+        self.window["gate_refusals" if refusal else "admitted_groups"] += 1
+        return refusal is None
 
     def after_step(self, finished_lengths: list[int], sequences: int) -> None:
         """After every engine step over ``sequences`` sequences: learn the finished lengths, feed the controller

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -202,3 +203,37 @@ class KVAdmission:
         if load.in_flight + group_size > load.cap:
             return False
         return (load.predicted_tokens + estimate) / max(load.kv_budget_tokens, 1) <= self.rho
+
+
+class AdmissionRule:
+    """The whole admission decision of one rollout worker, for the live gate (``reflow.rollout.admission``) and
+    the simulator alike: the concurrency cap (``max_cap``, or the controller's) and, when on, the KV rule."""
+
+    def __init__(self, max_cap: int, controller: ConcurrencyController | None, kv_rule: KVAdmission | None):
+        self.max_cap = max_cap
+        self.controller = controller
+        self.kv_rule = kv_rule
+
+    @property
+    def cap(self) -> int:
+        return min(self.controller.cap, self.max_cap) if self.controller is not None else self.max_cap
+
+    def refuses(
+        self, in_flight: int, kv_budget_tokens: int, prompt_len: int, group_size: int,
+        groups_in_flight: Callable[[], list[tuple[int, list[int]]]],
+    ) -> str | None:
+        """Why a group with this prompt may not start now ("cap" or "kv"), or None. ``groups_in_flight`` lists
+        (prompt length, tokens generated per sequence) of the groups in flight (asked only for the KV rule).
+        An empty engine always admits. A refusal by the cap tells the controller its cap binds."""
+        if in_flight == 0:
+            return None
+        if in_flight + group_size > self.cap:
+            if self.controller is not None:
+                self.controller.note_cap_binding()
+            return "cap"
+        if self.kv_rule is not None:
+            predicted = sum(self.kv_rule.in_flight_estimate(prompt, lengths) for prompt, lengths in groups_in_flight())
+            load = WorkerLoad(predicted, kv_budget_tokens, in_flight, self.cap)
+            if not self.kv_rule.admits(load, self.kv_rule.group_estimate(prompt_len, group_size), group_size):
+                return "kv"
+        return None

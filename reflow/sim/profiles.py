@@ -80,18 +80,19 @@ QWEN3_8B_H800 = CostProfile(
 # 2 ranks); see that command for how.
 TINY_CPU = CostProfile(
     name="tiny-cpu",
-    source="python -m reflow.sim fit --metrics outputs/bench/{sync,one_step_off,async,reflow}/metrics.jsonl",
-    step_overhead_s=0.00358,
-    decode_token_s=0.000165,
+    source="python -m reflow.sim fit --metrics outputs/bench/{sync,one_step_off,async,reflow}/metrics.jsonl "
+    "(291 rollout windows, 580 steps, 2026-11-30); transition_s from tiny_elastic's transitions",
+    step_overhead_s=0.00236,
+    decode_token_s=0.000177,
     context_token_s=0.0,
     prefill_token_s=0.0,
     kv_budget_tokens=500_000,
     kv_block_size=128,
     max_num_seqs=256,
-    train_overhead_s=0.034,
-    train_token_s=0.000189,
-    train_collective_s=0.19,
-    weight_sync_s=0.0089,
+    train_overhead_s=0.0,
+    train_token_s=0.000227,
+    train_collective_s=0.204,
+    weight_sync_s=0.0145,
     transition_s=0.3,
 )
 

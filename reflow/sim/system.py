@@ -31,7 +31,7 @@ from reflow.config.job_config import JobConfig
 from reflow.modes.settings import resolve_settings
 from reflow.replay import BufferedSample, ReplayBuffer, build_filter, build_sampler
 from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
-from reflow.scheduler.concurrency import ConcurrencyController, ConcurrencySettings, KVAdmission, ResponseLengths, WorkerLoad
+from reflow.scheduler.concurrency import AdmissionRule, ConcurrencyController, ConcurrencySettings, KVAdmission, ResponseLengths
 from reflow.sim.engine import SimEngine, SimSequence
 from reflow.sim.profiles import CostProfile
 from reflow.sim.workload import Workload
@@ -119,46 +119,34 @@ def summarize(records: list[StepRecord], warmup: int, transitions: list[dict]) -
 
 
 class _Rollout:
-    """One simulated rollout rank: its engine, dispatch budget and admission gate."""
+    """One simulated rollout rank: its engine, dispatch budget and admission rule (the live gate's)."""
 
     def __init__(self, engine: SimEngine, budget: DispatchBudget, index: int, cfg: SimConfig, profile: CostProfile, workload: Workload):
         self.engine, self.budget, self.index = engine, budget, index
         self.lengths = ResponseLengths(cfg.response_percentile, window=256, initial=workload.max_tokens)
-        self.controller = (
+        self.rule = AdmissionRule(
+            profile.max_num_seqs,
             ConcurrencyController(ConcurrencySettings(min_cap=cfg.group_size, max_cap=profile.max_num_seqs), profile.max_num_seqs)
-            if cfg.adaptive_concurrency else None
+            if cfg.adaptive_concurrency else None,
+            KVAdmission(cfg.rho, self.lengths, profile.kv_block_size) if cfg.kv_admission else None,
         )
-        self.kv_rule = KVAdmission(cfg.rho, self.lengths, profile.kv_block_size) if cfg.kv_admission else None
 
-    @property
-    def cap(self) -> int:
-        return self.controller.cap if self.controller else self.engine.profile.max_num_seqs
+    def groups_in_flight(self) -> list[tuple[int, list[int]]]:
+        groups: dict[str, tuple[int, list[int]]] = {}
+        for seq in self.engine.running + self.engine.waiting + self.engine.in_tool:
+            groups.setdefault(seq.group, (seq.prompt_tokens, []))[1].append(seq.generated)
+        return list(groups.values())
 
     def allows(self, prompt_tokens: int, group_size: int) -> bool:
-        """The live ``AdmissionGate``'s rule, on the simulated engine."""
         engine = self.engine
-        in_flight = engine.num_active
-        if in_flight == 0:
-            return True
-        if in_flight + group_size > self.cap:
-            if self.controller:
-                self.controller.note_cap_binding()
-            return False
-        if self.kv_rule is not None:
-            groups: dict[str, tuple[int, list[int]]] = {}
-            for seq in engine.running + engine.waiting + engine.in_tool:
-                groups.setdefault(seq.group, (seq.prompt_tokens, []))[1].append(seq.generated)
-            predicted = sum(self.kv_rule.in_flight_estimate(p, lengths) for p, lengths in groups.values())
-            load = WorkerLoad(predicted, engine.profile.kv_budget_tokens, in_flight, self.cap)
-            return self.kv_rule.admits(load, self.kv_rule.group_estimate(prompt_tokens, group_size), group_size)
-        return True
+        return self.rule.refuses(engine.num_active, engine.profile.kv_budget_tokens, prompt_tokens, group_size, self.groups_in_flight) is None
 
     def observe(self, finished: list[SimSequence]) -> None:
         for seq in finished:
             self.lengths.add(seq.generated)
-        if self.controller:
+        if self.rule.controller:
             engine = self.engine
-            self.controller.observe(engine.clock, engine.kv_usage(), engine.profile.kv_budget_tokens, engine.num_active, engine.preemptions)
+            self.rule.controller.observe(engine.clock, engine.kv_usage(), engine.profile.kv_budget_tokens, engine.num_active, engine.preemptions)
 
 
 class DecoupledSim:

@@ -109,3 +109,19 @@ def test_admission_never_exceeds_rho_and_respects_the_cap():
     assert not admission.admits(WorkerLoad(7_601, BUDGET, 8, 64), estimate, 4)
     assert not admission.admits(WorkerLoad(0, BUDGET, 62, 64), estimate, 4)  # the cap
     assert admission.admits(WorkerLoad(50_000, BUDGET, 0, 64), estimate, 4)  # an empty engine always admits
+
+
+def test_admission_rule_names_what_refuses_and_tells_the_controller_its_cap_binds():
+    from reflow.scheduler.concurrency import AdmissionRule
+
+    control = ConcurrencyController(ConcurrencySettings(min_cap=4, max_cap=256), initial_cap=16)
+    rule = AdmissionRule(64, control, KVAdmission(0.5, ResponseLengths(1.0, window=8, initial=100)))
+    nothing = lambda: []  # noqa: E731
+    assert rule.cap == 16
+    assert rule.refuses(0, BUDGET, 30, 4, nothing) is None  # an empty engine always admits
+    assert rule.refuses(14, BUDGET, 30, 4, nothing) == "cap" and control._binding
+    # 3 groups of 4 in flight, each predicted at 30 + 4 x 100 = 430 tokens; another 430 passes 0.5 x 10k
+    in_flight = lambda: [(30, [0, 0, 0, 0])] * 3  # noqa: E731
+    assert rule.refuses(12, BUDGET, 30, 4, in_flight) is None
+    crowded = lambda: [(30, [0, 0, 0, 0])] * 11  # noqa: E731  (11 x 430 + 430 > 5000)
+    assert AdmissionRule(256, None, rule.kv_rule).refuses(12, BUDGET, 30, 4, crowded) == "kv"
