@@ -8,7 +8,8 @@ Build steps, in order (``PolicyTrainer.__init__``):
   5. AdamW over the sharded parameters
 
 A ``train_step`` recomputes the log-probs of the batch under the current
-weights (the PPO "old" log-probs), then runs ``ppo_epochs`` x
+weights (the PPO "old" log-probs; with a single update per batch they are the
+new ones, detached, and no extra forward runs), then runs ``ppo_epochs`` x
 ``num_minibatches`` optimizer updates of the GRPO loss in micro-batches.
 Every trainer rank must call the collective methods together.
 """
@@ -334,7 +335,10 @@ class PolicyTrainer:
         if not segments:
             raise ValueError("train_step needs at least one batch")
         self.unpark()
-        old_lps = self._segment_logprobs(segments)
+        # one update per batch (ppo_epochs = num_minibatches = 1): the policy that would score the "old"
+        # log-probs is the one being updated, so they are the new log-probs, detached; no extra forward
+        single_update = training.ppo_epochs == 1 and training.num_minibatches == 1
+        old_lps = [None] * len(segments) if single_update else self._segment_logprobs(segments)
         ref_lps = self._segment_logprobs(segments, self.ref_model) if self.ref_model is not None else [None] * len(segments)
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
         max_diff = torch.zeros(1, dtype=torch.float64)
@@ -349,7 +353,10 @@ class PolicyTrainer:
                 chunks.append(torch.tensor_split(rows, training.num_minibatches))
             for minibatch in range(training.num_minibatches):
                 parts = [
-                    (index(seg, rows[minibatch]), old[rows[minibatch]], ref[rows[minibatch]] if ref is not None else None)
+                    (
+                        index(seg, rows[minibatch]), old[rows[minibatch]] if old is not None else None,
+                        ref[rows[minibatch]] if ref is not None else None,
+                    )
                     for seg, rows, old, ref in zip(segments, chunks, old_lps, ref_lps)
                 ]
                 stats = self._update(parts)
@@ -372,9 +379,9 @@ class PolicyTrainer:
             max_abs_logprob_diff=max_diff.item(),
         )
 
-    def _update(self, parts: list[tuple[TrainBatch, torch.Tensor, torch.Tensor | None]]) -> dict[str, float]:
-        """One optimizer update on a minibatch: (batch, old log-probs, reference log-probs) per virtual rank,
-        gradients accumulated over their micro-batches."""
+    def _update(self, parts: list[tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None]]) -> dict[str, float]:
+        """One optimizer update on a minibatch: (batch, old log-probs or None for the detached new ones,
+        reference log-probs) per virtual rank, gradients accumulated over their micro-batches."""
         local_den = sum(loss_denominator(batch.loss_mask, batch.weights).to(torch.float64) for batch, _, _ in parts)
         den = torch.as_tensor(local_den, dtype=torch.float64).reshape(1)
         dist.all_reduce(den, group=self.group)
@@ -385,12 +392,12 @@ class PolicyTrainer:
         for batch, old_lp, ref_lp in parts:
             for rows, mb in self._micro_batches(batch):
                 width = mb.loss_mask.shape[1]
-                mb_old = old_lp[rows, :width]
+                mb_old = old_lp[rows, :width] if old_lp is not None else None
                 mb_ref = ref_lp[rows, :width] if ref_lp is not None else None
                 self._backward(mb, mb_old, mb_ref, den_v, stats)
                 passes += 1
         for mb in self._padding(passes, parts[0][0]):
-            self._backward(mb, None, None, den_v, stats)
+            self._backward(mb, None, None, den_v, stats, padding=True)
         max_norm = self.cfg.training.max_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         if max_norm > 0:
@@ -405,12 +412,14 @@ class PolicyTrainer:
         stats["grad_norm"] = float(norm)
         return stats
 
-    def _backward(self, mb: TrainBatch, old_lp, ref_lp, den: float, stats: dict) -> None:
-        """Forward/backward of one micro-batch; ``old_lp`` None marks a padding micro-batch (zero weights)."""
+    def _backward(self, mb: TrainBatch, old_lp, ref_lp, den: float, stats: dict, padding: bool = False) -> None:
+        """Forward/backward of one micro-batch; ``old_lp`` None: the detached new log-probs (one update per
+        batch); ``padding``: a micro-batch of zero weights that only keeps the ranks' collectives in step."""
         mb = mb.to(self.device)
         new_lp = self._logprobs(self.model, mb.tokens)
-        if old_lp is None:  # padding rows: any finite values do, their weight and mask are zero
+        if old_lp is None:
             old_lp = new_lp.detach()
+        if padding:  # any finite values do: the weights and the mask are zero
             ref_lp = new_lp.detach() if self.ref_model is not None else None
         old_lp = old_lp.to(self.device)
         ref_lp = ref_lp.to(self.device) if ref_lp is not None else None

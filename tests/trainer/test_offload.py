@@ -16,3 +16,4 @@ def test_parked_state_frees_the_device_bytes_and_trains_bitwise_as_before(tmp_pa
         # parameters, both AdamW moments and the reference: at least every shard's bytes (FSDP pads a shard
         # whose dim 0 does not divide by 2, and the padded storage moves whole)
         assert moved >= rep["shard_bytes"], (moved, rep["shard_bytes"])
+
