@@ -59,3 +59,54 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int, group, bucket_bytes
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
     return len(buckets)
+
+
+def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The full tensors of FSDP2 shards, with one all-gather for all of them (``DTensor.full_tensor`` runs one
+    per tensor). Every DTensor must be sharded on dim 0 along one mesh dimension (FSDP2's ``Shard(0)`` over
+    dp_shard) and replicated along the others, on one mesh, in one dtype; other tensors are returned as
+    they are. Every rank of the shard group calls with the same tensors in the same order.
+
+    Shard(0) cuts dim 0 like ``torch.chunk``: rank r holds rows [r c, (r + 1) c) of d, c = ceil(d / S), the
+    last ranks fewer or none. Each rank sends its rows padded to c, and the full tensor is the ranks'
+    pieces in order, cut back to d rows."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    sharded = [i for i, t in enumerate(tensors) if isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)]
+    out = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # replicated DTensors: the local copy
+    if not sharded:
+        return out
+    first = tensors[sharded[0]]
+    mesh, placements = first.device_mesh, first.placements
+    shard_dim = next(k for k, p in enumerate(placements) if isinstance(p, Shard))
+    for i in sharded:
+        t = tensors[i]
+        if t.device_mesh != mesh or t.placements != placements or t.dtype != first.dtype:
+            raise ValueError("gather_full: every sharded tensor must share one mesh, placements and dtype")
+        if placements[shard_dim] != Shard(0) or any(not isinstance(p, (Replicate, Shard)) for p in placements):
+            raise ValueError(f"gather_full: expected Shard(0) on one mesh dimension, got {placements}")
+    group = mesh.get_group(shard_dim)
+    size = dist.get_world_size(group)
+    pieces, layout = [], []
+    for i in sharded:
+        t = tensors[i]
+        rows = t.shape[0]
+        chunk = -(-rows // size)
+        local = t.to_local()
+        inner = 1
+        for dim in t.shape[1:]:
+            inner *= dim
+        padded = torch.zeros((chunk * inner,), dtype=local.dtype, device=local.device)
+        padded[: local.numel()] = local.reshape(-1)
+        pieces.append(padded)
+        layout.append((i, rows, chunk, inner))
+    flat = torch.cat(pieces)
+    gathered = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(gathered, flat, group=group)
+    offset = 0
+    for i, rows, chunk, inner in layout:
+        shape = tensors[i].shape
+        parts = [g[offset : offset + chunk * inner].view(chunk, *shape[1:]) for g in gathered]
+        out[i] = torch.cat(parts)[:rows]
+        offset += chunk * inner
+    return out

@@ -4,7 +4,7 @@ Every rank derives the same ``SyncPlan`` from the model config on the meta
 device (no trainer state needed), so rollout-only ranks know every bucket's
 layout (HF names, shapes, dtype) without any metadata exchange:
 
-    trainer ranks        for each bucket: full_tensor() of each parameter (trainer-mesh collective)
+    trainer ranks        for each bucket: one all-gather of its parameters' shards (``gather_full``)
     trainer rank 0       flattens the bucket into one tensor, broadcasts it over the sync group
     rollout-only ranks   receive the flat bucket, split it, hand (hf_name, tensor) to vLLM
     colocated ranks      (train and generate) feed their own gathered tensors to vLLM
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from reflow.distributed.buckets import gather_full
 from reflow.distributed.placement import Placement
 from reflow.model.qwen3 import build_on_meta
 
@@ -76,11 +77,10 @@ class WeightSync:
         self.in_group = rank == self.src or rank in receivers
 
     def _bucket_tensors(self, trainer, state: dict, bucket) -> list[tuple[str, torch.Tensor]]:
-        from reflow.trainer.hf_io import full_tensor
-
+        """The bucket's full tensors under their HF names: one all-gather on the trainer mesh for the bucket."""
+        fulls = gather_full([state[tt_name].detach() for tt_name, _, _ in bucket])
         out = []
-        for tt_name, hf_name, shape in bucket:
-            full = full_tensor(state[tt_name]).detach()
+        for (tt_name, hf_name, shape), full in zip(bucket, fulls):
             hf = trainer.adapter.to_hf({tt_name: full})
             out.append((hf_name, hf[hf_name].to(self.plan.dtype).reshape(shape)))
         return out

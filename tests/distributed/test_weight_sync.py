@@ -13,6 +13,7 @@ def test_trainer_and_vllm_logprobs_agree_after_sync(tmp_path):
     run_torchrun(3, ["tests/distributed/scripts/weight_sync_logprobs.py", str(out)])
     rep = json.loads(out.read_text())
     assert rep["buckets"] > 1
+    assert rep["gather_full_equal"] and rep["gather_full_tensors"] > 20
     assert rep["num_tokens"] > 50
     assert rep["versions"] == [1]
     assert rep["max_abs_diff"] < LOGPROB_TOLERANCE, rep

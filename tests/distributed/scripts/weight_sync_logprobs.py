@@ -78,6 +78,20 @@ if trainer is not None:
     old_new = trainer.compute_logprobs(old_b)
     report["change_vs_old_weights"] = (((old_new - old_b.behavior_logprobs) * old_b.loss_mask).abs().max()).item()
     report["num_tokens"] = int(b.loss_mask.sum().item())
+    # the sync's one-collective gather of a bucket equals DTensor.full_tensor, tensor by tensor, bitwise,
+    # including rows that do not divide by the shard degree (5 rows over 2 ranks) and a rank with no rows
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from reflow.distributed.buckets import gather_full
+
+    tensors = [t.detach() for t in trainer.model.state_dict().values()]
+    tensors += [
+        distribute_tensor(torch.arange(15.0).view(5, 3), trainer.mesh, [Replicate(), Shard(0)]),
+        distribute_tensor(torch.arange(3.0).view(1, 3), trainer.mesh, [Replicate(), Shard(0)]),
+    ]
+    gathered = gather_full(tensors)
+    report["gather_full_equal"] = all(torch.equal(g, t.full_tensor()) for g, t in zip(gathered, tensors))
+    report["gather_full_tensors"] = len(tensors)
 if rank == 0:
     with open(out_path, "w") as f:
         json.dump(report, f)
