@@ -165,6 +165,7 @@ class DecoupledSim:
         self.records: list[StepRecord] = []
         self.transitions: list[dict] = []
         self.evicted_unused = 0
+        self.received = 0  # samples delivered to the shards during the current step
         self.planner = (
             PlacementPlanner(PlannerSettings(
                 world_size=cfg.gpus, shard_degree=cfg.shard_degree,
