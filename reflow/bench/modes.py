@@ -27,19 +27,14 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
 
+from reflow.bench.launch import free_port
+
 MODES = ("sync", "one_step_off", "async", "reflow")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_mode(mode: str, args, overrides: list[str]) -> dict:
@@ -51,7 +46,7 @@ def run_mode(mode: str, args, overrides: list[str]) -> dict:
     per_mode = ["--weight_sync.interval=1"] if mode == "sync" else []
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world_size),
-        "--master-port", str(_free_port()),
+        "--master-port", str(free_port()),
         "-m", "reflow.train", "--config", args.config,
         f"--training.mode={mode}", f"--training.steps={args.steps}", f"--job.dump_folder={dump}",
         f"--training.time_budget_s={args.time_budget}",

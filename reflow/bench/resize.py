@@ -30,12 +30,12 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from reflow.bench.launch import run_worker
+
 BUCKET_SIZES_MB = (0.25, 1.0, 4.0, 16.0)
 
 
@@ -176,24 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="reflow-resize-")
     raw = os.path.join(scratch, "raw.json")
-    env = dict(
-        os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-        REFLOW_BENCH_SCRATCH=scratch,
-    )
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from reflow.bench.modes import _free_port
-
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world_size),
-        "--master-port", str(_free_port()), "-m", "reflow.bench.resize", "resize",
-        f"--world-size={args.world_size}", f"--deep-layers={args.deep_layers}", f"--worker={raw}",
-    ]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"resize benchmark failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        with open(raw) as f:
-            result = json.load(f)
+        result = run_worker(
+            "resize", args.world_size, [f"--world-size={args.world_size}", f"--deep-layers={args.deep_layers}"], raw,
+            {"REFLOW_BENCH_SCRATCH": scratch},
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     cold = result["cold_restart_s"]
@@ -204,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "world_size": args.world_size,
         "shard_degree": 2,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "command": " ".join(cmd),
+        "command": f"python -m reflow.bench resize --world-size {args.world_size} --deep-layers {args.deep_layers}",
         **result,
         "targets": {
             "each_transition_under_5pct_of_cold_restart": all(t["share_of_cold_restart"] < 0.05 for t in result["transitions"]),

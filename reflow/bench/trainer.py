@@ -24,12 +24,12 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from reflow.bench.launch import run_worker
+
 SEQUENCES, PROMPT, RESPONSE = 256, 10, 10
 
 
@@ -199,21 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         deep_dir = os.path.join(scratch, "deep")
         make_deep_checkpoint(hf_dir, args.deep_layers, deep_dir)
-        raw = os.path.join(scratch, "raw.json")
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        from reflow.bench.modes import _free_port
-
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(_free_port()),
-            "-m", "reflow.bench.trainer", "trainer", f"--steps={args.steps}", f"--deep-layers={args.deep_layers}",
-            f"--worker={raw}", f"--deep-dir={deep_dir}",
-        ]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"trainer benchmark failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        with open(raw) as f:
-            measured = json.load(f)
+        measured = run_worker(
+            "trainer", 3, [f"--steps={args.steps}", f"--deep-layers={args.deep_layers}", f"--deep-dir={deep_dir}"],
+            os.path.join(scratch, "raw.json"),
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     plain = plain_torch(hf_dir, args.steps)
