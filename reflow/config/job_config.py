@@ -74,6 +74,12 @@ class Training:
     """Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style centring."""
     is_truncation: float = 2.0
     """Truncated importance weight cap against vLLM behavior log-probs (<= 0 disables the correction)."""
+    activation_checkpointing: str = "none"
+    """'none' or 'full': recompute each transformer block in the backward pass (torchtitan's FullAC), trading
+    compute for activation memory on long sequences."""
+    param_dtype: str = "float32"
+    """Dtype FSDP2 gathers parameters in for compute: 'float32' or 'bfloat16' (mixed precision on GPU; the
+    shards, the optimizer and the gradient reduction stay float32)."""
     offload_while_generating: bool = True
     """'sync' mode on CUDA: the trainer's parameter shards, AdamW moments and frozen reference wait in pinned
     host memory while the colocated engine generates (and the engine sleeps while the trainer trains).

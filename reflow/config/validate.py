@@ -75,6 +75,10 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         fail("metrics.eval_interval", "is only supported in 'sync' mode so far (decoupled trainer ranks do not generate)")
     if cfg.checkpoint.load_step >= 0 and not cfg.checkpoint.enable:
         fail("checkpoint.load_step", f"= {cfg.checkpoint.load_step} needs checkpoint.enable = true")
+    if t.activation_checkpointing not in ("none", "full"):
+        fail("training.activation_checkpointing", f"must be 'none' or 'full', got {t.activation_checkpointing!r}")
+    if t.param_dtype not in ("float32", "bfloat16"):
+        fail("training.param_dtype", f"must be 'float32' or 'bfloat16', got {t.param_dtype!r}")
     if cfg.model.attention not in ("sdpa", "flex"):
         fail("model.attention", f"must be 'sdpa' or 'flex', got {cfg.model.attention!r}")
     _validate_scheduler(cfg, fail)
@@ -290,6 +294,11 @@ def validate_recipe(cfg: JobConfig, recipe, placement, where=lambda key: "defaul
         warnings.append(
             f"rollout.max_num_seqs = {cfg.rollout.max_num_seqs} is above recipe {recipe.name}'s recommended "
             f"{recipe.vllm.max_num_seqs}"
+        )
+    if cfg.training.param_dtype == "bfloat16" and recipe.device != "cuda":
+        warnings.append(
+            f"training.param_dtype = 'bfloat16' with recipe {recipe.name}, whose engine runs float32 on CPU: the trainer's "
+            "log-probs then differ from vLLM's by bf16 rounding (behavior_logprob_gap grows), and the importance weights with them"
         )
     if recipe.device == "cuda" and cfg.rollout.gpu_memory_utilization > recipe.vllm.gpu_memory_utilization:
         warnings.append(

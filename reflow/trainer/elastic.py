@@ -58,7 +58,8 @@ def adopt(skeleton: torch.nn.Module, mesh, sources: dict[str, torch.Tensor]) -> 
                 stride=param.stride(),
             )
             by_identity[id(param)] = torch.nn.Parameter(local, requires_grad=param.requires_grad)
-        state[name] = by_identity[id(param)]
+        # state-dict names: activation checkpointing's wrapper drops its prefix there (and adds it back on load)
+        state[name.replace("_checkpoint_wrapped_module.", "")] = by_identity[id(param)]
     skeleton.load_state_dict(state, strict=True, assign=True)
     return [name for name, param in skeleton.named_parameters() if param.to_local().data_ptr() != sources[name].data_ptr()]
 

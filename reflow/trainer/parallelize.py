@@ -1,4 +1,5 @@
-"""Apply FSDP2 to the policy: each transformer block, then the root.
+"""Apply FSDP2 to the policy: each transformer block, then the root; optionally activation checkpointing first
+(as torchtitan's parallelize does: AC, then FSDP).
 
 With a 2-D mesh (dp_replicate, dp_shard) ``fully_shard`` gives HSDP: parameters
 are sharded over dp_shard and replicated over dp_replicate.
@@ -28,3 +29,12 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, param_dtype: torch.dtyp
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
     return model
+
+
+def apply_full_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every transformer block in the backward pass (torchtitan's ``FullAC``). The blocks' state-dict
+    names do not change (the wrapper's hooks drop its prefix), so checkpoints, the HF adapter and the weight
+    sync see the same names."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    FullAC(FullAC.Config()).apply(model)

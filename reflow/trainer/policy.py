@@ -39,7 +39,7 @@ from reflow.distributed.utils import TrainerLayout
 from reflow.trainer.elastic import adopt, carry_optimizer_state, local_shards, release, shard_tensors, zero_optimizer_state, zero_shards
 from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
 from reflow.trainer.offload import HostParking
-from reflow.trainer.parallelize import apply_fsdp
+from reflow.trainer.parallelize import apply_fsdp, apply_full_activation_checkpointing
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -138,8 +138,14 @@ class PolicyTrainer:
         self.parking = HostParking(pin=True) if device.type == "cuda" and cfg.training.offload_while_generating else None
 
     def _skeleton_pair(self, layout: TrainerLayout) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        training = self.cfg.training
+        param_dtype = torch.bfloat16 if training.param_dtype == "bfloat16" else torch.float32
+
         def skeleton(trainable: bool) -> torch.nn.Module:
-            module = apply_fsdp(build_on_meta(self.model_config), layout.mesh)
+            module = build_on_meta(self.model_config)
+            if trainable and training.activation_checkpointing == "full":
+                apply_full_activation_checkpointing(module)
+            module = apply_fsdp(module, layout.mesh, param_dtype)
             if trainable:
                 module.train()
             else:

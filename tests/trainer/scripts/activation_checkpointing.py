@@ -1,0 +1,57 @@
+"""2 ranks: the same training with and without activation checkpointing, through a resize (2 replicas -> 1):
+bitwise the same shards, the same state-dict names. Writes a JSON report to argv[1]."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from reflow.config.job_config import JobConfig
+from reflow.distributed import build_trainer_layouts, init_distributed
+from reflow.model.recipe import load_recipe, resolve_path
+from reflow.trainer.batch import pack
+from reflow.trainer.elastic import shard_tensors
+from reflow.trainer.policy import PolicyTrainer
+
+rank, world, device = init_distributed()
+recipe = load_recipe("tiny")
+hf_dir = resolve_path(recipe.hf_checkpoint)
+layouts = build_trainer_layouts(world, 1, [2, 1])
+gen = torch.Generator().manual_seed(0)
+
+
+def virtual(k: int):
+    g = torch.Generator().manual_seed(k)
+    rows = [(torch.randint(3, 30, (4,), generator=g).tolist(), torch.randint(3, 30, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()) for _ in range(4)]
+    return pack([p for p, _ in rows], [o for _, o in rows], [[-1.0] * len(o) for _, o in rows], [[0] * len(o) for _, o in rows],
+                [1.0, -1.0, 0.5, -0.5], [1.0] * 4, [0.0] * 4, 0)
+
+
+def run(ac: str):
+    cfg = JobConfig()
+    cfg.training.lr = 2e-3
+    cfg.training.num_minibatches = 2
+    cfg.training.kl_coef = 0.05
+    cfg.training.activation_checkpointing = ac
+    trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 2, device)
+    trainer.train_step([virtual(rank)])
+    keys = sorted(trainer.model.state_dict())
+    wrapped[ac] = sum(isinstance(m, CheckpointWrapper) for m in trainer.model.modules())
+    trainer.resize(1, bucket_bytes=1 << 20)
+    if trainer.active:
+        trainer.train_step([virtual(0), virtual(1)])
+        return [t.clone() for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)], keys
+    return None, keys
+
+
+wrapped: dict[str, int] = {}
+plain, plain_keys = run("none")
+checkpointed, ac_keys = run("full")
+report = {"same_keys": plain_keys == ac_keys, "wrapper_in_keys": any("checkpoint" in k for k in ac_keys), "wrapped": wrapped}
+if rank == 0:
+    report["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(plain, checkpointed)) and len(plain) == len(checkpointed)
+    with open(sys.argv[1], "w") as f:
+        json.dump(report, f)
+dist.barrier()
