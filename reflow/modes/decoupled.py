@@ -149,11 +149,8 @@ class DecoupledMode(ModeBase):
         self.received_in_window = 0  # samples that reached this shard since the previous step
         self.buffer: ReplayBuffer | None = None
         self.rollout_stats: dict[int, dict] = {}  # rank 0: busy/idle seconds per rollout rank since the last step
-        self.last_rollout_window: dict = {
-            "rollout_idle_ratio": 0.0, "rollout_busy_s": 0.0, "rollout_idle_s": 0.0, "rollout_engine_steps": 0,
-            "rollout_step_sequences": 0, "kv_usage_mean": 0.0, "preemptions": 0,
-            "admitted_groups": 0, "gate_refusals": 0, "concurrency_caps": {}, "cap_changes": {},
-        }
+        # the last window's ratio, KV usage and caps, repeated by a step with no report in it
+        self.carried_rollout_state: dict = {"rollout_idle_ratio": 0.0, "kv_usage_mean": 0.0, "concurrency_caps": {}}
         self.ledger: dict = {
             "received": [], "consumed": [], "steps": [], "evicted_unused": [], "evicted_replayable": 0,
             "handed_over_unused": [], "handed_in_unused": [], "left_unused": [], "transitions": [],
@@ -354,33 +351,35 @@ class DecoupledMode(ModeBase):
 
     def _rollout_window(self) -> dict:
         """The rollout ranks' reports since the previous step, as metrics (rank 0 receives the reports; zeros
-        elsewhere); then a new window starts. The idle ratio is the idle share of their time; a step shorter
-        than the report period (about 1 s) keeps the previous window's ratio and caps and counts nothing."""
+        elsewhere); then a new window starts. The idle ratio is the idle share of their time. A step shorter
+        than the report period (about 1 s) counts nothing, keeps the reports for the next window, and repeats
+        the previous window's ratio, KV usage and caps."""
         reports = self.rollout_stats
         idle = sum(s["idle_s"] for s in reports.values())
         busy = sum(s["busy_s"] for s in reports.values())
         if idle + busy > 0:
-            steps = sum(s["engine_steps"] for s in reports.values())
             self.rollout_stats = {}
-            self.last_rollout_window = {
+        else:
+            reports = {}
+        steps = sum(s["engine_steps"] for s in reports.values())
+        if reports:  # a window with time in it: its ratio, KV usage and caps become the ones carried
+            self.carried_rollout_state = {
                 "rollout_idle_ratio": idle / (idle + busy),
-                "rollout_busy_s": busy,
-                "rollout_idle_s": idle,
-                "rollout_engine_steps": steps,
-                "rollout_step_sequences": sum(s["step_sequences"] for s in reports.values()),
                 "kv_usage_mean": sum(s["kv_usage_sum"] for s in reports.values()) / steps if steps else 0.0,
-                "preemptions": sum(s["preemptions"] for s in reports.values()),
-                "admitted_groups": sum(s["admitted_groups"] for s in reports.values()),
-                "gate_refusals": sum(s["gate_refusals"] for s in reports.values()),
                 "concurrency_caps": {str(rank): s["cap"] for rank, s in sorted(reports.items())},
-                "cap_changes": {str(rank): s["cap_changes"] for rank, s in sorted(reports.items()) if s.get("cap_changes")},
             }
-            return self.last_rollout_window
-        # no report in this window: the ratio and the caps stand, nothing was counted
-        return dict(
-            self.last_rollout_window, rollout_busy_s=0.0, rollout_idle_s=0.0, rollout_engine_steps=0,
-            rollout_step_sequences=0, preemptions=0, admitted_groups=0, gate_refusals=0, cap_changes={},
-        )
+        total = lambda key: sum(s[key] for s in reports.values())  # noqa: E731
+        return {
+            **self.carried_rollout_state,
+            "rollout_busy_s": total("busy_s"),
+            "rollout_idle_s": total("idle_s"),
+            "rollout_engine_steps": steps,
+            "rollout_step_sequences": total("step_sequences"),
+            "preemptions": total("preemptions"),
+            "admitted_groups": total("admitted_groups"),
+            "gate_refusals": total("gate_refusals"),
+            "cap_changes": {str(rank): s["cap_changes"] for rank, s in sorted(reports.items()) if s.get("cap_changes")},
+        }
 
     # ================================================================ rollout side
 

@@ -26,6 +26,7 @@ from reflow.scheduler.concurrency import (
     ConcurrencySettings,
     KVAdmission,
     ResponseLengths,
+    groups_in_flight,
 )
 
 
@@ -58,10 +59,7 @@ class AdmissionGate:
 
     def groups_in_flight(self) -> list[tuple[int, list[int]]]:
         """(prompt length, tokens generated per sequence) of every group in flight."""
-        groups: dict[str, tuple[int, list[int]]] = {}
-        for req in self.engine.active.values():
-            groups.setdefault(req.meta["group"], (len(req.prompt_ids), []))[1].append(len(req.output_ids))
-        return list(groups.values())
+        return groups_in_flight((req.meta["group"], len(req.prompt_ids), len(req.output_ids)) for req in self.engine.active.values())
 
     def allows(self, prompt_len: int) -> bool:
         """May a group with this prompt start now? Counts the answer."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,15 @@ class KVAdmission:
         if load.in_flight + group_size > load.cap:
             return False
         return (load.predicted_tokens + estimate) / max(load.kv_budget_tokens, 1) <= self.rho
+
+
+def groups_in_flight(sequences: Iterable[tuple[str, int, int]]) -> list[tuple[int, list[int]]]:
+    """(prompt length, tokens generated per sequence) per group, from (group, prompt length, generated) per
+    sequence in flight: what ``AdmissionRule.refuses`` asks of the KV rule."""
+    groups: dict[str, tuple[int, list[int]]] = {}
+    for group, prompt_len, generated in sequences:
+        groups.setdefault(group, (prompt_len, []))[1].append(generated)
+    return list(groups.values())
 
 
 class AdmissionRule:

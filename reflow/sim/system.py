@@ -31,7 +31,14 @@ from reflow.config.job_config import JobConfig
 from reflow.modes.settings import resolve_settings
 from reflow.replay import BufferedSample, ReplayBuffer, build_filter, build_sampler
 from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
-from reflow.scheduler.concurrency import AdmissionRule, ConcurrencyController, ConcurrencySettings, KVAdmission, ResponseLengths
+from reflow.scheduler.concurrency import (
+    AdmissionRule,
+    ConcurrencyController,
+    ConcurrencySettings,
+    KVAdmission,
+    ResponseLengths,
+    groups_in_flight,
+)
 from reflow.sim.engine import SimEngine, SimSequence
 from reflow.sim.profiles import CostProfile
 from reflow.sim.workload import Workload
@@ -132,10 +139,8 @@ class _Rollout:
         )
 
     def groups_in_flight(self) -> list[tuple[int, list[int]]]:
-        groups: dict[str, tuple[int, list[int]]] = {}
-        for seq in self.engine.running + self.engine.waiting + self.engine.in_tool:
-            groups.setdefault(seq.group, (seq.prompt_tokens, []))[1].append(seq.generated)
-        return list(groups.values())
+        engine = self.engine
+        return groups_in_flight((seq.group, seq.prompt_tokens, seq.generated) for seq in engine.running + engine.waiting + engine.in_tool)
 
     def allows(self, prompt_tokens: int, group_size: int) -> bool:
         engine = self.engine
