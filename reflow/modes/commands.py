@@ -22,6 +22,9 @@ class Progress:
     steps_done: int
     retired: tuple[int, ...]
     """Per trainer shard: samples of this rollout rank trained for the first time or evicted unused."""
+    granted: tuple[int, ...] | None = None
+    """Per trainer shard: samples the global dispatcher has granted this rank so far (scheduler.kv_admission
+    in async and reflow); None with fixed shares."""
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ What each mode is (``reflow.modes.settings.resolve_settings``); b = training.pro
                   start per trainer step (rollout.b_max, default b), whatever the step consumed; bounded
                   replay lets a shard step on b(1 - sigma) fresh samples, so generation runs ahead.
 
-The dispatch rule lives in one place, ``reflow.scheduler.DispatchBudget``: per (rollout rank, trainer
-shard) pair, whole groups, destination shard fixed at admission. A sample is *started* when admitted to an
+The dispatch rule lives in one place, ``reflow.scheduler.dispatch``: per trainer shard, whole groups,
+destination shard fixed at admission; each (rollout rank, shard) pair owns a fixed share of it, or, with
+scheduler.kv_admission, trainer rank 0's ``GroupDispatcher`` deals each shard's room to the rollout ranks
+by their KV load (carried in Progress). A sample is *started* when admitted to an
 engine and *retired* when trained for the first time or evicted unused.
 
 Control-plane protocol (who waits for whom, and why it cannot deadlock)
@@ -37,7 +39,8 @@ Rank 0 trains in every placement and leads. Collectives happen only on the main 
   trainer ranks   loop: drain the data inbox into the buffer shard; evict samples staler than delta;
                   all-reduce(SUM) over the trainer group of "my shard cannot serve a batch yet" and of
                   the retired counts (per rollout rank and shard); rank 0 sends each rollout rank a
-                  Progress with its row whenever the counts changed; if some shard is not ready, sleep
+                  Progress with its row (and its grants, dealt by the latest load reports, when the
+                  dispatcher deals) whenever the counts changed; if some shard is not ready, sleep
                   2 ms (trainer idle) and repeat; else train one step. After the step: at a sync point
                   (every k steps) rank 0 sends SyncWeights(v), every trainer rank evicts, then joins the
                   weight sync (trainer-mesh gathers + broadcast to rollout ranks); then the same
@@ -58,7 +61,10 @@ while the engine has requests in flight, so the group starts after finitely many
 weights at least as new: later and fresher, never staler. So the room granted after step s
 is admitted after the SyncWeights of step s and before the next one: on weights no older than s - (k - 1),
 and, with k = 1, exactly s. (I3) Every shard owns a fixed share of each limit (whole groups),
-at least b/A over the rollout ranks (A trainer shards; training.prompts_per_step is a multiple of A).
+at least b/A over the rollout ranks (A trainer shards; training.prompts_per_step is a multiple of A). Which
+rollout rank starts a shard's groups does not enter the argument: a dealing dispatcher hands out all the
+room the rule allows as soon as it appears (it never withholds any), and every rank admits its grants under
+I2.
 
 No deadlock. (1) The weight sync is the only collective both roles join; both enter it only for a
 SyncWeights(v) that trainer rank 0 sent in step order, and a rollout rank reaches it after finishing the
@@ -118,6 +124,8 @@ from reflow.modes.rollouts import Sample, to_batch
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.modes.settings import resolve_settings
 from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
+from reflow.scheduler.concurrency import WorkerLoad
+from reflow.scheduler.dispatch import GroupDispatcher, WorkerReport
 
 
 _SUMMED_ROLLOUT_STATS = (
@@ -194,6 +202,8 @@ class DecoupledMode(ModeBase):
         self.is_trainer = placement.is_trainer(self.rank)
         self.published = None
         self.rollout_stats = {}  # the previous placement's rollout ranks do not count in the new one's ratio
+        self.dispatcher = self._new_dispatcher()
+        self.dealt_groups: dict[str, int] = {}  # rank 0: groups the dispatcher granted each rollout rank this step
         if self.is_trainer:
             self.shard_index = self.trainer_ranks.index(self.rank)
             self.retired = [0] * len(self.rollout_ranks)  # this shard's retirements, per rollout rank
@@ -209,6 +219,23 @@ class DecoupledMode(ModeBase):
                 self.buffer.start_version = self.version
         if self.shares is not None:
             self.shares = reassign(self.shares, len(self.rollout_ranks))
+
+    def _new_dispatcher(self) -> GroupDispatcher | None:
+        """Rank 0's dealer of the dispatch room for this placement, starting at the current step (None unless
+        ``dealt_dispatch``)."""
+        if self.rank != 0 or not self.dealt_dispatch or not self.rollout_ranks:
+            return None
+        cfg = self.parts.cfg
+        return GroupDispatcher(
+            self.settings.dispatch, len(self.rollout_ranks), len(self.trainer_ranks), cfg.training.group_size,
+            cfg.scheduler.rho, start_step=self.step,
+        )
+
+    @property
+    def dealt_dispatch(self) -> bool:
+        """Whether trainer rank 0's ``GroupDispatcher`` deals the dispatch room (scheduler.kv_admission, which
+        only async and reflow accept) instead of every rollout rank owning a fixed share."""
+        return self.parts.cfg.scheduler.kv_admission
 
     @property
     def trainer_group(self):
@@ -242,6 +269,12 @@ class DecoupledMode(ModeBase):
                 window["kv_usage_sum"] += body["kv_usage_mean"] * body["engine_steps"]
                 window["cap"] = body["cap"]
                 window.setdefault("cap_changes", []).extend(body["cap_changes"])
+                if self.dispatcher is not None and body["load"] is not None and message.src in self.rollout_ranks:
+                    load = body["load"]
+                    self.dispatcher.report(self.rollout_ranks.index(message.src), WorkerReport(
+                        WorkerLoad(load["predicted_tokens"], load["kv_budget_tokens"], load["in_flight"], load["cap"]),
+                        load["group_estimate"], body["started"],
+                    ))
             elif body["type"] == "flush":
                 self.flushed.add(message.src)
 
@@ -273,8 +306,16 @@ class DecoupledMode(ModeBase):
             progress = (self.steps_done, tuple(tuple(row) for row in retired))
             if progress != self.published:
                 self.published = progress
+                granted = None
+                if self.dispatcher is not None:
+                    before = [sum(row) for row in self.dispatcher.granted]
+                    granted = self.dispatcher.deal(self.steps_done, retired)
+                    for rollout, rank in enumerate(self.rollout_ranks):
+                        dealt = (sum(granted[rollout]) - before[rollout]) // self.parts.cfg.training.group_size
+                        self.dealt_groups[str(rank)] = self.dealt_groups.get(str(rank), 0) + dealt
                 for rollout, rank in enumerate(self.rollout_ranks):
-                    self.control.send(rank, Progress(self.steps_done, tuple(retired[rollout])))
+                    grants = tuple(granted[rollout]) if granted is not None else None
+                    self.control.send(rank, Progress(self.steps_done, tuple(retired[rollout]), grants))
         return counts[0].item() == 0
 
     def _wait_for_batch(self) -> None:
@@ -347,6 +388,9 @@ class DecoupledMode(ModeBase):
             **self._rollout_window(),
             placement=self.placement.name,
         )
+        if self.dispatcher is not None:
+            row["dispatched_groups"] = self.dealt_groups
+            self.dealt_groups = {}
         return row
 
     def _rollout_window(self) -> dict:
@@ -388,7 +432,7 @@ class DecoupledMode(ModeBase):
         index = self.rollout_ranks.index(self.rank)
         budget = DispatchBudget(
             self.settings.dispatch, index, len(self.rollout_ranks), len(self.trainer_ranks),
-            parts.cfg.training.group_size, start_step=self.step,
+            parts.cfg.training.group_size, start_step=self.step, dealt=self.dealt_dispatch,
         )
         return RolloutWorker(
             parts, self.weight_sync, self.control, self.outbox, budget, self.stream, self.shares[index], index,
@@ -400,6 +444,7 @@ class DecoupledMode(ModeBase):
     def run(self) -> list[dict]:
         self.resume()
         self.steps_done = self.step
+        self.dispatcher = self._new_dispatcher()  # its budgets start at the step the run resumed at
         self.shares = initial_shares(len(self.rollout_ranks), self._drawn)
         if self.is_trainer:
             self.buffer.start_version = self.version  # the engines start (or resume) on this version

@@ -4,7 +4,8 @@
                             SyncWeights(v)  step until every admitted request has its first token, hold
                                             the requests in flight with their prefix, join the weight
                                             sync, resume them under version v (partial rollouts)
-                            Progress        hand the trainer's counts to the dispatch budget
+                            Progress        hand the trainer's counts (and, with the global dispatcher,
+                                            this rank's grants) to the dispatch budget
                             Stop            drop what is in flight and leave
           2. admit        whole groups, while the dispatch budget has room on some trainer shard and the
                           admission gate lets the next one in (``reflow.rollout.admission``: the
@@ -125,6 +126,8 @@ class RolloutWorker:
                     self._sync(command.version)
                 elif isinstance(command, Progress):
                     self.budget.update(command.steps_done, command.retired)
+                    if command.granted is not None:
+                        self.budget.grant(command.granted)
                     self._admit()  # on the weights of now, before a SyncWeights queued behind it applies
                 else:
                     raise TypeError(f"unknown control command {command!r}")
@@ -216,6 +219,9 @@ class RolloutWorker:
     def _report(self) -> None:
         self.outbox.put(
             self.control.leader,
-            {"type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s, **self.gate.report()},
+            {
+                "type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s, **self.gate.report(),
+                "load": self.gate.load(), "started": sum(self.budget.started),
+            },
         )
         self.busy_idle = BusyIdle()

@@ -47,6 +47,7 @@ class AdmissionGate:
         )
         self.controller = self.rule.controller
         self.decisions: list[CapDecision] = []
+        self.last_prompt_len = 0
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -63,11 +64,26 @@ class AdmissionGate:
 
     def allows(self, prompt_len: int) -> bool:
         """May a group with this prompt start now? Counts the answer."""
+        self.last_prompt_len = prompt_len
         refusal = self.rule.refuses(
             self.engine.num_active, self.engine.signals.kv_budget_tokens, prompt_len, self.group_size, self.groups_in_flight
         )
         self.window["gate_refusals" if refusal else "admitted_groups"] += 1
         return refusal is None
+
+    def load(self) -> dict | None:
+        """What the global dispatcher weighs (``reflow.scheduler.dispatch.WorkerReport``), or None without the KV
+        rule: predicted KV tokens of the groups in flight, the KV budget, sequences in flight, the cap, and the
+        next group's estimate (for the prompt length of the group last offered, the typical one)."""
+        kv_rule = self.rule.kv_rule
+        if kv_rule is None:
+            return None
+        predicted = sum(kv_rule.in_flight_estimate(prompt, lengths) for prompt, lengths in self.groups_in_flight())
+        return {
+            "predicted_tokens": predicted, "kv_budget_tokens": self.engine.signals.kv_budget_tokens,
+            "in_flight": self.engine.num_active, "cap": self.cap,
+            "group_estimate": kv_rule.group_estimate(self.last_prompt_len, self.group_size),
+        }
 
     def after_step(self, finished_lengths: list[int], sequences: int) -> None:
         """After every engine step over ``sequences`` sequences: learn the finished lengths, feed the controller

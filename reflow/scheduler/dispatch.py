@@ -14,10 +14,19 @@ stale. A mode bounds the samples started with one or both of two limits:
              step lets B_max more samples start, whatever that step consumed, so generation runs ahead
              of the trainer whenever replay lowers fresh consumption.
 
-Both limits are kept per (rollout rank, trainer shard) pair, in whole GRPO groups: a group's destination
-shard is chosen when the group is admitted, among the pairs with room. Every shard therefore owns a fixed
-share of each limit, and the no-deadlock argument in ``reflow.modes.decoupled`` holds shard by shard, not
-only in total (a shard cannot sit empty while another one's surplus fills the window).
+Both limits are kept per trainer shard, in whole GRPO groups: every shard owns a fixed share of each limit,
+so the no-deadlock argument in ``reflow.modes.decoupled`` holds shard by shard, not only in total (a shard
+cannot sit empty while another one's surplus fills the window). Which rollout rank starts a shard's groups
+is decided one of two ways:
+
+  fixed      every (rollout rank, shard) pair owns a fixed share (``share_groups``); a rank's
+             ``DispatchBudget`` computes its room from the trainer's counts. one_step_off relies on it (a
+             step's room is admitted at once, on the rank that owns it).
+  dealt      with scheduler.kv_admission (async and reflow): trainer rank 0's ``GroupDispatcher`` deals each
+             shard's room group by group to the rank with the most KV headroom (the fast dispatcher, global
+             over the rollout ranks), and a rank's budget starts what it was granted.
+
+Either way a group's destination shard is fixed when the group is admitted.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Sequence
+
+from reflow.scheduler.concurrency import WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -68,12 +79,15 @@ def share_groups(total_groups: int, num_rollout: int, num_shards: int) -> list[l
 class DispatchBudget:
     """One rollout rank's budget: may it start another group now, and for which trainer shard?
 
-    Counts are cumulative and in samples. ``update`` takes the trainer's latest word (steps done, and how
+    Fixed (the default): the rank owns a fixed share of each limit (``share_groups``). Dealt: the global
+    ``GroupDispatcher`` on trainer rank 0 deals the room group by group to the workers with KV headroom, and
+    the rank may start what it was granted (``grant``). Counts are cumulative and in samples. ``update`` takes the trainer's latest word (steps done, and how
     many of this rank's samples each shard has retired); being cumulative, a late or repeated word is
     harmless. ``start_step`` is the step the run resumed at (0 for a new run)."""
 
     def __init__(
-        self, rule: DispatchRule, rollout_index: int, num_rollout: int, num_shards: int, group_size: int, start_step: int = 0
+        self, rule: DispatchRule, rollout_index: int, num_rollout: int, num_shards: int, group_size: int, start_step: int = 0,
+        dealt: bool = False,
     ):
         if not 0 <= rollout_index < num_rollout:
             raise ValueError(f"rollout index {rollout_index} outside [0, {num_rollout})")
@@ -87,6 +101,7 @@ class DispatchBudget:
         self.retired = [0] * num_shards
         self.steps_done = start_step
         self._next_shard = rollout_index % num_shards  # rollout ranks start on different shards
+        self.granted: list[int] | None = [0] * num_shards if dealt else None
 
     def _share(self, limit: int, rollout_index: int, num_rollout: int) -> list[int] | None:
         if not limit:
@@ -101,7 +116,9 @@ class DispatchBudget:
         self.retired = [max(old, new) for old, new in zip(self.retired, retired)]
 
     def allowance(self, shard: int) -> int:
-        """Samples this rank may have started for ``shard`` by now."""
+        """Samples this rank may have started for ``shard`` by now: its grants when dealt, else its fixed share."""
+        if self.granted is not None:
+            return self.granted[shard]
         limits = []
         if self.window_share is not None:
             limits.append(self.retired[shard] + self.window_share[shard])
@@ -129,3 +146,100 @@ class DispatchBudget:
             raise RuntimeError(f"no room for a group on shard {shard}: the caller must ask next_shard() first")
         self.started[shard] += self.group_size
         self._next_shard = (shard + 1) % self.num_shards
+
+    def grant(self, granted: Sequence[int]) -> None:
+        """A dealt budget's word from the global dispatcher: samples granted per shard so far (cumulative)."""
+        if self.granted is None:
+            raise RuntimeError("grant() is for a budget the global dispatcher deals (DispatchBudget(..., dealt=True))")
+        if len(granted) != self.num_shards:
+            raise ValueError(f"grants for {len(granted)} shards, expected {self.num_shards}")
+        self.granted = [max(old, new) for old, new in zip(self.granted, granted)]
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """A rollout worker's state as the global dispatcher sees it (from the worker's latest report)."""
+
+    load: WorkerLoad
+    group_estimate: float
+    """T_hat: KV tokens the worker expects its next group to reach."""
+    started: int
+    """Samples the worker has started in this placement (cumulative, like the grants)."""
+
+
+class GroupDispatcher:
+    """The global fast dispatcher: deals the mode's dispatch room to the rollout workers, one group at a time.
+
+    The mode's rule fixes, per trainer shard, how many samples may have started by now (``allowance``: the
+    shard's share of the window past its retirements, and of B_max per step), as ``DispatchBudget`` does per
+    (rollout rank, shard) pair; here the per-shard totals stay fixed and only *which worker* starts each
+    group is decided, when the room appears. A group goes to the worker whose predicted KV tokens, plus the
+    groups granted to it and not started yet, plus this group's estimate, are the smallest fraction of its KV
+    budget, among the workers within rho and their concurrency cap; when none is, to the least loaded one
+    (its admission gate then holds the group until there is room: room is never withheld, which is what the
+    no-deadlock argument needs). A worker not heard from yet counts as empty, so the first groups go round.
+
+    Grants are cumulative samples per (worker, shard): a worker's ``DispatchBudget(dealt=True)`` may start
+    what it was granted, never more, so every shard's total obeys the rule exactly as with fixed shares."""
+
+    def __init__(self, rule: DispatchRule, num_rollout: int, num_shards: int, group_size: int, rho: float, start_step: int = 0):
+        if not 0 < rho <= 2:
+            raise ValueError(f"rho must be in (0, 2], got {rho}")
+        self.rule, self.group_size, self.rho, self.start_step = rule, group_size, rho, start_step
+        self.num_rollout, self.num_shards = num_rollout, num_shards
+        per_shard = lambda limit: [g * group_size for g in share_groups(limit // group_size, 1, num_shards)[0]] if limit else None  # noqa: E731
+        self.window_share, self.step_share = per_shard(rule.window), per_shard(rule.per_step)
+        self.granted = [[0] * num_shards for _ in range(num_rollout)]
+        self.reports: list[WorkerReport | None] = [None] * num_rollout
+        self._next_shard = 0
+
+    def report(self, worker: int, report: WorkerReport) -> None:
+        self.reports[worker] = report
+
+    def allowance(self, shard: int, steps_done: int, retired: int) -> int:
+        """Samples all workers together may have started for ``shard`` once ``retired`` of them are retired."""
+        limits = []
+        if self.window_share is not None:
+            limits.append(retired + self.window_share[shard])
+        if self.step_share is not None:
+            limits.append(self.step_share[shard] * (steps_done - self.start_step + 1))
+        return min(limits)
+
+    def _pending_groups(self, worker: int) -> int:
+        report = self.reports[worker]
+        started = report.started if report is not None else 0
+        return max(0, sum(self.granted[worker]) - started) // self.group_size
+
+    def _projected(self, worker: int) -> tuple[float, bool]:
+        """(KV fraction the worker reaches with one more group, whether that stays within rho and its cap)."""
+        pending = self._pending_groups(worker)
+        report = self.reports[worker]
+        if report is None:
+            return float(pending + 1), pending == 0
+        load = report.load
+        tokens = load.predicted_tokens + (pending + 1) * report.group_estimate
+        fraction = tokens / max(load.kv_budget_tokens, 1)
+        empty = load.in_flight == 0 and pending == 0
+        fits = empty or (load.in_flight + (pending + 1) * self.group_size <= load.cap and fraction <= self.rho)
+        return fraction, fits
+
+    def choose(self) -> int:
+        """The worker the next group goes to."""
+        scored = [(not fits, fraction, self._pending_groups(w), w) for w in range(self.num_rollout) for fraction, fits in [self._projected(w)]]
+        return min(scored)[3]
+
+    def deal(self, steps_done: int, retired: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Deal whatever room the rule now allows, group by group (shards in turn); ``retired[worker][shard]``
+        are cumulative retirements. Returns the cumulative grants per (worker, shard)."""
+        room = [
+            self.allowance(shard, steps_done, sum(row[shard] for row in retired)) - sum(g[shard] for g in self.granted)
+            for shard in range(self.num_shards)
+        ]
+        while any(r >= self.group_size for r in room):
+            shard = self._next_shard
+            self._next_shard = (shard + 1) % self.num_shards
+            if room[shard] < self.group_size:
+                continue
+            self.granted[self.choose()][shard] += self.group_size
+            room[shard] -= self.group_size
+        return [list(row) for row in self.granted]

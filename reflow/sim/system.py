@@ -1,5 +1,5 @@
 """The whole system in simulated time: rollout engines, trainer shards and the control loop of each mode,
-built on the real scheduling classes (``DispatchBudget``, ``ReplayBuffer``, ``ConcurrencyController``,
+built on the real scheduling classes (``DispatchBudget``, ``GroupDispatcher``, ``ReplayBuffer``, ``ConcurrencyController``,
 ``KVAdmission``, ``PlacementPlanner``, ``resolve_settings``), so the simulator runs the decisions the live
 system runs, at 8 to 128 GPUs.
 
@@ -9,7 +9,8 @@ Decoupled modes, one trainer step (``DecoupledSim.run``):
               group to its trainer shard, until every shard can serve its b/A samples (the trainer waits)
   2. train    plan every shard's batch (fresh first, replayed up to sigma), train for the slowest rank's
               tokens while every engine runs on to the end of the step
-  3. retire   first uses retire their samples; every rollout engine's budget learns the counts (Progress)
+  3. retire   first uses retire their samples; every rollout engine's budget learns the counts (Progress), and
+              with scheduler.kv_admission the global dispatcher deals the new room by the engines' KV loads
   4. sync     every k steps: the trainer and every engine pause for the weight sync; engines admit new
               groups at the new version, sequences in flight keep their birth version (partial rollouts)
   5. place    at sync points the placement controller (the planner) may move ranks: every engine finishes
@@ -31,12 +32,14 @@ from reflow.config.job_config import JobConfig
 from reflow.modes.settings import resolve_settings
 from reflow.replay import BufferedSample, ReplayBuffer, build_filter, build_sampler
 from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
+from reflow.scheduler.dispatch import GroupDispatcher, WorkerReport
 from reflow.scheduler.concurrency import (
     AdmissionRule,
     ConcurrencyController,
     ConcurrencySettings,
     KVAdmission,
     ResponseLengths,
+    WorkerLoad,
     groups_in_flight,
 )
 from reflow.sim.engine import SimEngine, SimSequence
@@ -130,6 +133,7 @@ class _Rollout:
 
     def __init__(self, engine: SimEngine, budget: DispatchBudget, index: int, cfg: SimConfig, profile: CostProfile, workload: Workload):
         self.engine, self.budget, self.index = engine, budget, index
+        self.prompt_tokens, self.group_size = workload.prompt_tokens, cfg.group_size
         self.lengths = ResponseLengths(cfg.response_percentile, window=256, initial=workload.max_tokens)
         self.rule = AdmissionRule(
             profile.max_num_seqs,
@@ -145,6 +149,13 @@ class _Rollout:
     def allows(self, prompt_tokens: int, group_size: int) -> bool:
         engine = self.engine
         return self.rule.refuses(engine.num_active, engine.profile.kv_budget_tokens, prompt_tokens, group_size, self.groups_in_flight) is None
+
+    def report(self) -> WorkerReport:
+        """What the global dispatcher weighs, read exactly (a live worker reports it about once a second)."""
+        kv_rule, engine = self.rule.kv_rule, self.engine
+        predicted = sum(kv_rule.in_flight_estimate(prompt, lengths) for prompt, lengths in self.groups_in_flight())
+        load = WorkerLoad(predicted, engine.profile.kv_budget_tokens, engine.num_active, self.rule.cap)
+        return WorkerReport(load, kv_rule.group_estimate(self.prompt_tokens, self.group_size), sum(self.budget.started))
 
     def observe(self, finished: list[SimSequence]) -> None:
         for seq in finished:
@@ -213,11 +224,17 @@ class DecoupledSim:
         for engine in fresh:
             engine.clock = engine.paused_until = self.clock
             engine.version = self.version
+        dealt = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
         self.rollouts = [
             _Rollout(engine, DispatchBudget(self.settings.dispatch, index, num_rollout, num_shards, cfg.group_size,
-                                            start_step=self.steps_done), index, cfg, self.profile, self.workload)
+                                            start_step=self.steps_done, dealt=dealt), index, cfg, self.profile, self.workload)
             for index, engine in enumerate(fresh + kept)
         ]
+        self.dispatcher = (
+            GroupDispatcher(self.settings.dispatch, num_rollout, num_shards, cfg.group_size, cfg.rho, start_step=self.steps_done)
+            if dealt else None
+        )
+        self._tell_budgets()
         for rollout in self.rollouts:
             self._admit(rollout)
 
@@ -302,6 +319,18 @@ class DecoupledSim:
                 engine.idle_s += until - engine.clock
                 engine.clock = until
 
+    def _tell_budgets(self) -> None:
+        """Progress: every budget learns the steps done and retirements, and with the global dispatcher its grants."""
+        granted = None
+        if self.dispatcher is not None:
+            for rollout in self.rollouts:
+                self.dispatcher.report(rollout.index, rollout.report())
+            granted = self.dispatcher.deal(self.steps_done, self.retired)
+        for rollout in self.rollouts:
+            rollout.budget.update(self.steps_done, self.retired[rollout.index])
+            if granted is not None:
+                rollout.budget.grant(granted[rollout.index])
+
     # ---- trainer side ----------------------------------------------------------------------
 
     def _evict(self) -> None:
@@ -366,8 +395,8 @@ class DecoupledSim:
                     rollout.engine.paused_until = max(rollout.engine.clock, self.clock) + profile.weight_sync_s
                     rollout.engine.version = self.version
                 self.clock += profile.weight_sync_s
+            self._tell_budgets()
             for rollout in self.rollouts:
-                rollout.budget.update(self.steps_done, self.retired[rollout.index])
                 if not rollout.engine.num_active and rollout.engine.clock < self.clock:
                     rollout.engine.idle_s += self.clock - rollout.engine.clock
                     rollout.engine.clock = self.clock

@@ -1,7 +1,7 @@
 """The adaptive scheduler live: reflow mode on 4 ranks with the concurrency controller, the KV rule and the
 placement planner on. Whatever the planner decides on this noisy machine, every decision is logged with the
-score of every feasible placement, the rollout workers' gate statistics reach the metrics, and no sample is
-lost, duplicated or trained staler than delta."""
+score of every feasible placement, the rollout workers' gate statistics and the global dispatcher's grants
+reach the metrics, and no sample is lost, duplicated or trained staler than delta."""
 
 import json
 import os
@@ -48,6 +48,10 @@ def test_reflow_with_the_adaptive_scheduler_logs_every_decision_and_loses_nothin
         assert 0.0 <= r["kv_usage_mean"] <= 1.0 and r["preemptions"] >= 0
     started_groups = sum(len(led["started"]) for led in ledgers) // 4
     assert 0 < sum(r["admitted_groups"] for r in rows) <= started_groups
+    # the global dispatcher granted every group that started, each to a rollout rank (rank 0 trains throughout)
+    for r in rows:
+        assert set(r["dispatched_groups"]) <= {"1", "2", "3"}
+    assert sum(sum(r["dispatched_groups"].values()) for r in rows) >= started_groups
     for r in rows:  # the staleness bound, exactly
         assert len(r["staleness_counts"]) == 3
     assert_no_sample_lost_or_duplicated(rows, ledgers)
