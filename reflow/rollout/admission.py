@@ -78,7 +78,7 @@ class AdmissionGate:
         kv_rule = self.rule.kv_rule
         if kv_rule is None:
             return None
-        predicted = sum(kv_rule.in_flight_estimate(prompt, lengths) for prompt, lengths in self.groups_in_flight())
+        predicted = kv_rule.peak_tokens(self.groups_in_flight())
         return {
             "predicted_tokens": predicted, "kv_budget_tokens": self.engine.signals.kv_budget_tokens,
             "in_flight": self.engine.num_active, "cap": self.cap,

@@ -21,13 +21,15 @@ Fast admission (``KVAdmission``), before each request group: admit it to the wor
 predicted KV tokens plus the group's estimate stay within rho x its budget, ``(T_pred + T_hat) / budget <=
 rho``, and the worker's cap has room for the group. T_hat counts the shared prompt once (vLLM's prefix cache
 shares its full blocks) and each response at a recent high percentile of finished response lengths, in
-whole KV blocks; T_pred sums the groups in flight, each response at the mean of the recent lengths that
-reached its current length (its expected end: summing a high percentile for every running sequence would
-count the tail once per sequence and leave the cache half empty). A worker with nothing in flight always
+whole KV blocks; T_pred is the peak the cache will reach with the group started, if each running response
+ends at the mean of the recent lengths that reached its current length (its expected end: a high percentile
+for every running sequence would count the tail once per sequence) and the new ones at the estimate: sequences
+free their blocks as they end, so the peak, reached just before one of them ends, is what has to fit, not the
+sum of every sequence's final size, which would leave the cache half empty. A worker with nothing in flight always
 admits (a group larger than rho x budget must still run, and the engine then preempts rather than
-deadlocks). Each rollout worker applies the rule to its own engine, whose KV cache is its own; the dispatch
-budget already spreads the groups over the workers in equal shares, so the rule decides when a worker's
-next group starts, not which worker takes it.
+deadlocks). Each rollout worker applies the rule to its own engine, whose KV cache is its own, and decides
+when its next group starts; which worker takes a group is the global dispatcher's choice
+(``reflow.scheduler.dispatch.GroupDispatcher``), on the same estimates.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ class WorkerLoad:
     """What the admission rule needs of one rollout worker."""
 
     predicted_tokens: float
-    """T_pred: KV tokens its in-flight groups are predicted to reach."""
+    """T_pred: the peak KV tokens its in-flight groups are predicted to hold (``KVAdmission.peak_tokens``)."""
     kv_budget_tokens: int
     in_flight: int
     """Sequences in flight."""
@@ -192,17 +194,46 @@ class KVAdmission:
         """T_hat of a group about to start: each response at the high-percentile estimate."""
         return self.group_tokens(prompt_len, [self.lengths.estimate()] * group_size)
 
-    def in_flight_estimate(self, prompt_len: int, generated: list[int]) -> int:
-        """A running group's share of T_pred: each response at the length it is expected to end at, given the
-        tokens it has (``ResponseLengths.expected_final``)."""
-        return self.group_tokens(prompt_len, [math.ceil(self.lengths.expected_final(length)) for length in generated])
+    def peak_tokens(self, groups: Iterable[tuple[int, list[int]]], new_groups: Iterable[tuple[int, int]] = ()) -> float:
+        """T_pred: the most KV tokens the groups in flight ((prompt length, tokens generated per sequence)) and
+        ``new_groups`` ((prompt length, group size)) starting now will hold at once, if every running response
+        ends at the length it is expected to end at (``ResponseLengths.expected_final``) and every new one at
+        the high-percentile estimate, one token per engine step each. A sequence frees its blocks when it
+        ends, so the peak is below the sum of the final sizes: it is reached just before some sequence ends,
+        t steps from now, holding every sequence still running then at its length then. A group's full prompt
+        blocks are held once, until its last sequence ends; a sequence's own tokens are counted with half a
+        block for the partly filled last one."""
+        size = self.block_size
+        partial_block = (size - 1) / 2
+        items: list[tuple[int, float, int]] = []  # (steps until it ends, tokens held now, tokens added per step)
 
-    def admits(self, load: WorkerLoad, estimate: float, group_size: int) -> bool:
+        def add(prompt_len: int, now: list[int], final: list[int]) -> None:
+            shared_blocks, rest = divmod(prompt_len, size)
+            remaining = [max(end - have, 0) for have, end in zip(now, final)]
+            items.append((max(remaining), float(size * shared_blocks), 0))
+            items.extend((left, rest + have + partial_block, 1) for have, left in zip(now, remaining))
+
+        for prompt_len, generated in groups:
+            add(prompt_len, generated, [math.ceil(self.lengths.expected_final(have)) for have in generated])
+        estimate = self.lengths.estimate()
+        for prompt_len, group_size in new_groups:
+            add(prompt_len, [0] * group_size, [estimate] * group_size)
+        items.sort(key=lambda item: -item[0])
+        peak = held = growing = 0.0
+        for index, (left, tokens, grows) in enumerate(items):  # t = left, longest first
+            held += tokens
+            growing += grows
+            if index + 1 == len(items) or items[index + 1][0] < left:  # every item still running at t counted
+                peak = max(peak, held + growing * left)
+        return peak
+
+    def admits(self, load: WorkerLoad, group_size: int) -> bool:
+        """``load.predicted_tokens``: T_pred with the group started (``peak_tokens`` with it among the new)."""
         if load.in_flight == 0:
             return True
         if load.in_flight + group_size > load.cap:
             return False
-        return (load.predicted_tokens + estimate) / max(load.kv_budget_tokens, 1) <= self.rho
+        return load.predicted_tokens / max(load.kv_budget_tokens, 1) <= self.rho
 
 
 def groups_in_flight(sequences: Iterable[tuple[str, int, int]]) -> list[tuple[int, list[int]]]:
@@ -241,8 +272,7 @@ class AdmissionRule:
                 self.controller.note_cap_binding()
             return "cap"
         if self.kv_rule is not None:
-            predicted = sum(self.kv_rule.in_flight_estimate(prompt, lengths) for prompt, lengths in groups_in_flight())
-            load = WorkerLoad(predicted, kv_budget_tokens, in_flight, self.cap)
-            if not self.kv_rule.admits(load, self.kv_rule.group_estimate(prompt_len, group_size), group_size):
+            predicted = self.kv_rule.peak_tokens(groups_in_flight(), [(prompt_len, group_size)])
+            if not self.kv_rule.admits(WorkerLoad(predicted, kv_budget_tokens, in_flight, self.cap), group_size):
                 return "kv"
         return None

@@ -153,7 +153,7 @@ class _Rollout:
     def report(self) -> WorkerReport:
         """What the global dispatcher weighs, read exactly (a live worker reports it about once a second)."""
         kv_rule, engine = self.rule.kv_rule, self.engine
-        predicted = sum(kv_rule.in_flight_estimate(prompt, lengths) for prompt, lengths in self.groups_in_flight())
+        predicted = kv_rule.peak_tokens(self.groups_in_flight())
         load = WorkerLoad(predicted, engine.profile.kv_budget_tokens, engine.num_active, self.rule.cap)
         return WorkerReport(load, kv_rule.group_estimate(self.prompt_tokens, self.group_size), sum(self.budget.started))
 

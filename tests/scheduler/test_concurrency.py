@@ -92,23 +92,40 @@ def test_a_running_sequence_is_expected_to_end_at_the_mean_of_recent_lengths_tha
     assert lengths.expected_final(25) == 90  # 30, 40, 200
     assert lengths.expected_final(250) == 250  # beyond every recent one: at least what it has
     admission = KVAdmission(0.9, lengths)
-    assert admission.in_flight_estimate(30, [0, 25]) == 30 + 60 + 90
+    # a group of two in flight, expected to end at 60 and 90: the cache peaks when the first ends, 60 steps from
+    # now (prompt 30 + 60 + 25 + 60 = 175), not at the sum of the final sizes (180): at t = 65 the first is gone
+    assert admission.peak_tokens([(30, [0, 25])]) == 30 + 60 + 85
+
+
+def test_peak_counts_new_groups_at_the_estimate_and_takes_the_worst_moment():
+    lengths = ResponseLengths(1.0, window=8, initial=100)
+    for n in (10, 100):
+        lengths.add(n)  # estimate 100; a sequence at 0 expects 55, one at 50 expects 100
+    admission = KVAdmission(0.9, lengths)
+    running = [(0, [50])]  # one sequence, ends in 50 steps at 100 tokens
+    # with a new group of 2 (prompt 20, each to 100 tokens): at t = 50 the running one holds 100, the new ones
+    # 20 + 2 x 50; at t = 100 only the new ones, 20 + 2 x 100 = 220 (the peak)
+    assert admission.peak_tokens(running, [(20, 2)]) == 220
+    assert admission.peak_tokens(running, [(20, 1)]) == max(100 + 20 + 50, 20 + 100)
+    assert admission.peak_tokens([]) == 0
 
 
 def test_group_estimate_in_kv_blocks_shares_only_the_prompts_full_blocks():
     admission = KVAdmission(0.9, ResponseLengths(1.0, window=8, initial=40), block_size=16)
     # prompt 40 = 2 shared full blocks + 8 tokens per sequence; 8 + 40 = 48 tokens = 3 blocks per sequence
     assert admission.group_estimate(40, 4) == 16 * (2 + 4 * 3)
-    assert admission.in_flight_estimate(40, [57, 0]) == 16 * (2 + 5 + 3)  # 8 + 57 = 65: 5 blocks
+    # in flight: 2 shared blocks, and per sequence its tokens past them plus half a partly filled block; the
+    # sequence at 57 has reached the estimate (ends now), the other ends in 40 steps
+    assert admission.peak_tokens([(40, [57, 0])]) == 32 + (8 + 57 + 7.5) + (8 + 0 + 7.5)
 
 
 def test_admission_never_exceeds_rho_and_respects_the_cap():
     admission = KVAdmission(0.8, ResponseLengths(1.0, window=8, initial=100))
-    estimate = admission.group_estimate(0, 4)  # 400 tokens
-    assert admission.admits(WorkerLoad(7_600, BUDGET, 8, 64), estimate, 4)  # exactly 0.8
-    assert not admission.admits(WorkerLoad(7_601, BUDGET, 8, 64), estimate, 4)
-    assert not admission.admits(WorkerLoad(0, BUDGET, 62, 64), estimate, 4)  # the cap
-    assert admission.admits(WorkerLoad(50_000, BUDGET, 0, 64), estimate, 4)  # an empty engine always admits
+    # predicted_tokens: T_pred with the group started
+    assert admission.admits(WorkerLoad(8_000, BUDGET, 8, 64), 4)  # exactly 0.8
+    assert not admission.admits(WorkerLoad(8_001, BUDGET, 8, 64), 4)
+    assert not admission.admits(WorkerLoad(0, BUDGET, 62, 64), 4)  # the cap
+    assert admission.admits(WorkerLoad(50_000, BUDGET, 0, 64), 4)  # an empty engine always admits
 
 
 def test_admission_rule_names_what_refuses_and_tells_the_controller_its_cap_binds():
@@ -120,7 +137,8 @@ def test_admission_rule_names_what_refuses_and_tells_the_controller_its_cap_bind
     assert rule.cap == 16
     assert rule.refuses(0, BUDGET, 30, 4, nothing) is None  # an empty engine always admits
     assert rule.refuses(14, BUDGET, 30, 4, nothing) == "cap" and control._binding
-    # 3 groups of 4 in flight, each predicted at 30 + 4 x 100 = 430 tokens; another 430 passes 0.5 x 10k
+    # 3 groups of 4 in flight, all ending 100 steps from now at 30 + 4 x 100 = 430 tokens each: with another,
+    # the peak 4 x 430 is within 0.5 x 10k
     in_flight = lambda: [(30, [0, 0, 0, 0])] * 3  # noqa: E731
     assert rule.refuses(12, BUDGET, 30, 4, in_flight) is None
     crowded = lambda: [(30, [0, 0, 0, 0])] * 11  # noqa: E731  (11 x 430 + 430 > 5000)
