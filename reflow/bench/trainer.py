@@ -5,6 +5,8 @@
   reflow_tokens_per_s       the project's trainer step (``PolicyTrainer.train_step`` under torchrun, 2 ranks,
                             FSDP2 over both, one compute thread each) on a fixed batch: 256 sequences of 20
                             tokens (10 prompt, 10 response), made-up advantages, the tiny recipe
+  reflow_compiled_tokens_per_s  the same with training.compile (each block torch.compiled; the compile is
+                            paid in the warm-up steps)
   plain_torch_tokens_per_s  one process, 2 threads: transformers' Qwen3 from the same checkpoint, forward,
                             token log-probs, backward and AdamW on the same tokens (the loss a plain loop
                             would write: mean of -advantage x log-prob over response tokens)
@@ -86,6 +88,7 @@ def make_deep_checkpoint(hf_dir: str, layers: int, out_dir: str) -> None:
 
 def worker(out_path: str, steps: int, deep_dir: str, deep_layers: int) -> None:
     """3 ranks: ranks 0-1 train (FSDP2 over both), rank 2 generates."""
+    import copy
     import dataclasses
 
     import torch
@@ -130,17 +133,27 @@ def worker(out_path: str, steps: int, deep_dir: str, deep_layers: int) -> None:
                 prompts[mine].tolist(), responses[mine].tolist(), [[-1.0] * RESPONSE] * (SEQUENCES // 2),
                 [[0] * RESPONSE] * (SEQUENCES // 2), advantages[mine].tolist(), [1.0] * (SEQUENCES // 2), [0.0] * (SEQUENCES // 2), 0,
             )
-            times = []
-            for step in range(steps + 2):
-                dist.barrier(group=trainer.group)
-                t0 = time.perf_counter()
-                trainer.train_step(batch)
-                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=trainer.group)
-                if step >= 2:
-                    times.append(elapsed.item())
-            entry["train_step_s"] = statistics.median(times)
-            entry["reflow_tokens_per_s"] = SEQUENCES * (PROMPT + RESPONSE) / statistics.median(times)
+
+            def median_step_s(policy: PolicyTrainer) -> float:
+                times = []
+                for step in range(steps + 2):  # two warm-up steps (and the compile, when on)
+                    dist.barrier(group=policy.group)
+                    t0 = time.perf_counter()
+                    policy.train_step(batch)
+                    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=policy.group)
+                    if step >= 2:
+                        times.append(elapsed.item())
+                return statistics.median(times)
+
+            entry["train_step_s"] = median_step_s(trainer)
+            entry["reflow_tokens_per_s"] = SEQUENCES * (PROMPT + RESPONSE) / entry["train_step_s"]
+            compiled_cfg = copy.deepcopy(cfg)
+            compiled_cfg.training.compile = True
+            compiled = PolicyTrainer(compiled_cfg, recipe, hf_dir, layouts, 1, device)
+            entry["compiled_train_step_s"] = median_step_s(compiled)
+            entry["reflow_compiled_tokens_per_s"] = SEQUENCES * (PROMPT + RESPONSE) / entry["compiled_train_step_s"]
+            del compiled
         syncs = []
         for version in range(1, steps + 1):
             dist.barrier()
@@ -214,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         "batch": {"sequences": SEQUENCES, "prompt_tokens": PROMPT, "response_tokens": RESPONSE},
         "reflow_tokens_per_s": tiny["reflow_tokens_per_s"],
         "reflow_train_step_s": tiny["train_step_s"],
+        "reflow_compiled_tokens_per_s": tiny["reflow_compiled_tokens_per_s"],
+        "reflow_compiled_train_step_s": tiny["compiled_train_step_s"],
         "plain_torch_tokens_per_s": plain["tokens_per_s"],
         "plain_torch_step_s": plain["step_s"],
         "reflow_vs_plain": ratio,
@@ -231,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"trainer: reflow {result['reflow_tokens_per_s']:.0f} tok/s vs plain torch {plain['tokens_per_s']:.0f} tok/s = {ratio:.2f}x (target >= 0.7)")
+    print(f"trainer: reflow {result['reflow_tokens_per_s']:.0f} tok/s vs plain torch {plain['tokens_per_s']:.0f} tok/s = {ratio:.2f}x (target >= 0.7); "
+          f"compiled {result['reflow_compiled_tokens_per_s']:.0f} tok/s")
     for label, entry in result["weight_sync"].items():
         print(f"weight sync {label:5s} ({entry['tensors']} tensors, {entry['bytes'] / 2**20:.1f} MiB): {entry['weight_sync_s'] * 1000:.1f} ms "
               f"vs bound {entry['weight_sync_bound_s'] * 1000:.1f} ms = {entry['vs_bound']:.1f}x (target <= 3)")

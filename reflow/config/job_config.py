@@ -77,6 +77,11 @@ class Training:
     activation_checkpointing: str = "none"
     """'none' or 'full': recompute each transformer block in the backward pass (torchtitan's FullAC), trading
     compute for activation memory on long sequences."""
+    compile: bool = False
+    """torch.compile every transformer block of the policy in place (state-dict names unchanged), before FSDP2,
+    as torchtitan's apply_compile does: Inductor kernels, paid for by a compile in the first steps (and a
+    recompile when the micro-batch shape first changes, after which shapes are treated as dynamic). On CPU
+    it needs a C++ compiler."""
     param_dtype: str = "float32"
     """Dtype FSDP2 gathers parameters in for compute: 'float32' or 'bfloat16' (mixed precision on GPU; the
     shards, the optimizer and the gradient reduction stay float32)."""

@@ -8,6 +8,8 @@ The model itself contains no parallelism: see ``reflow.trainer.parallelize``.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from reflow.model.recipe import Recipe
@@ -24,35 +26,64 @@ def _attention_config(attention: str):
     raise ValueError(f"model.attention: unknown attention {attention!r} (use 'sdpa' or 'flex')")
 
 
-def build_model_config(recipe: Recipe, attention: str = "sdpa"):
-    """torchtitan ``Qwen3Model.Config`` for a recipe."""
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-    from torchtitan.models.qwen3 import qwen3_configs
-    from torchtitan.models.qwen3 import _build_qwen3_layers, _qwen3_norm, _EMBEDDING_INIT, _LINEAR_INIT
-    from torchtitan.models.qwen3.model import Qwen3Model
+def _normal_init() -> dict:
+    """Qwen3's initialization for a linear or embedding weight: normal, std 0.02; zero biases."""
+    return {"weight": partial(torch.nn.init.normal_, std=0.02), "bias": torch.nn.init.zeros_}
 
-    a = recipe.architecture
-    if recipe.flavor == "custom":
-        cfg = Qwen3Model.Config(
-            vocab_size=a.vocab_size,
-            dim=a.dim,
-            norm=_qwen3_norm(a.dim),
-            enable_weight_tying=a.tie_embeddings,
-            # untied tiny models need a real embedding init (a skipped init gives NaN losses)
-            tok_embeddings=Embedding.Config(num_embeddings=a.vocab_size, embedding_dim=a.dim, param_init=_EMBEDDING_INIT),
-            lm_head=Linear.Config(in_features=a.dim, out_features=a.vocab_size, param_init=_LINEAR_INIT),
-            layers=_build_qwen3_layers(
-                fuse_qkv=False,
-                n_layers=a.n_layers,
-                dim=a.dim,
-                n_heads=a.n_heads,
-                n_kv_heads=a.n_kv_heads,
-                head_dim=a.head_dim,
-                hidden_dim=a.hidden_dim,
-                attn_backend="flex",
-                rope=CosSinRoPE.Config(dim=a.head_dim, max_seq_len=a.max_seq_len, theta=a.rope_theta),
+
+def _rms_norm(dim: int):
+    from torchtitan.models.common.nn_modules import RMSNorm
+
+    return RMSNorm.Config(normalized_shape=dim, eps=1e-6, param_init={"weight": torch.nn.init.ones_})
+
+
+def _custom_config(recipe: Recipe):
+    """A dense Qwen3 of the recipe's [architecture], from torchtitan's public config builders: per layer the
+    pre-norms, grouped-query attention with separate q/k/v projections and a per-head RMSNorm on q and k, and
+    the SwiGLU feed-forward."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.models.qwen3.model import Qwen3TransformerBlock
+
+    arch = recipe.architecture
+    rope = CosSinRoPE.Config(dim=arch.head_dim, max_seq_len=arch.max_seq_len, theta=arch.rope_theta)
+    layers = [
+        Qwen3TransformerBlock.Config(
+            attention_norm=_rms_norm(arch.dim),
+            ffn_norm=_rms_norm(arch.dim),
+            attention=make_gqa_config(
+                dim=arch.dim, n_heads=arch.n_heads, n_kv_heads=arch.n_kv_heads, head_dim=arch.head_dim,
+                wqkv_param_init=_normal_init(), wo_param_init=_normal_init(),
+                inner_attention=_attention_config("sdpa"),  # replaced by build_model_config
+                fuse_qkv=False,  # vLLM's and HF's Qwen3 keep q, k and v apart: the weight sync maps 1:1
+                rope=rope, qk_norm=_rms_norm(arch.head_dim),
+            ),
+            feed_forward=make_ffn_config(
+                dim=arch.dim, hidden_dim=arch.hidden_dim, w1_param_init=_normal_init(), w2w3_param_init=_normal_init()
             ),
         )
+        for _ in range(arch.n_layers)
+    ]
+    return Qwen3Model.Config(
+        vocab_size=arch.vocab_size,
+        dim=arch.dim,
+        norm=_rms_norm(arch.dim),
+        enable_weight_tying=arch.tie_embeddings,
+        # untied tiny models need a real embedding init (a skipped init gives NaN losses)
+        tok_embeddings=Embedding.Config(num_embeddings=arch.vocab_size, embedding_dim=arch.dim, param_init=_normal_init()),
+        lm_head=Linear.Config(in_features=arch.dim, out_features=arch.vocab_size, param_init=_normal_init()),
+        layers=layers,
+    )
+
+
+def build_model_config(recipe: Recipe, attention: str = "sdpa"):
+    """torchtitan ``Qwen3Model.Config`` for a recipe: the registry flavor for paper-scale models, or
+    ``_custom_config`` for ``custom``; then every layer's inner attention is ``attention``."""
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    if recipe.flavor == "custom":
+        cfg = _custom_config(recipe)
     else:
         if recipe.flavor not in qwen3_configs:
             raise ValueError(
@@ -67,7 +98,7 @@ def build_model_config(recipe: Recipe, attention: str = "sdpa"):
 
 def check_architecture(recipe: Recipe, cfg) -> list[str]:
     """Differences between the recipe's [architecture] and the built torchtitan config."""
-    a = recipe.architecture
+    arch = recipe.architecture
     attn = cfg.layers[0].attention
     ffn = cfg.layers[0].feed_forward
     built = {
@@ -81,7 +112,7 @@ def check_architecture(recipe: Recipe, cfg) -> list[str]:
         "rope_theta": float(attn.rope.theta),
         "tie_embeddings": bool(cfg.enable_weight_tying),
     }
-    return [f"{k}: recipe {getattr(a, k)!r} != torchtitan {v!r}" for k, v in built.items() if getattr(a, k) != v]
+    return [f"{key}: recipe {getattr(arch, key)!r} != torchtitan {value!r}" for key, value in built.items() if getattr(arch, key) != value]
 
 
 def build_on_meta(cfg) -> torch.nn.Module:

@@ -1,5 +1,5 @@
-"""Apply FSDP2 to the policy: each transformer block, then the root; optionally activation checkpointing first
-(as torchtitan's parallelize does: AC, then FSDP).
+"""Apply FSDP2 to the policy: each transformer block, then the root; optionally activation checkpointing and
+torch.compile of each block first (torchtitan's parallelize order: AC, compile, FSDP).
 
 With a 2-D mesh (dp_replicate, dp_shard) ``fully_shard`` gives HSDP: parameters
 are sharded over dp_shard and replicated over dp_replicate.
@@ -38,3 +38,11 @@ def apply_full_activation_checkpointing(model: torch.nn.Module) -> None:
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     FullAC(FullAC.Config()).apply(model)
+
+
+def apply_block_compile(model: torch.nn.Module) -> None:
+    """torch.compile each transformer block in place (``nn.Module.compile``: the module stays where it is, so
+    no ``_orig_mod`` enters the state-dict names), one graph per block, as torchtitan's ``apply_compile``:
+    the blocks are alike, so one compile serves them all."""
+    for block in model.layers.values():
+        block.compile(fullgraph=True)

@@ -39,7 +39,7 @@ from reflow.distributed.utils import TrainerLayout
 from reflow.trainer.elastic import adopt, carry_optimizer_state, local_shards, release, shard_tensors, zero_optimizer_state, zero_shards
 from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
 from reflow.trainer.offload import HostParking
-from reflow.trainer.parallelize import apply_fsdp, apply_full_activation_checkpointing
+from reflow.trainer.parallelize import apply_block_compile, apply_fsdp, apply_full_activation_checkpointing
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -145,6 +145,8 @@ class PolicyTrainer:
             module = build_on_meta(self.model_config)
             if trainable and training.activation_checkpointing == "full":
                 apply_full_activation_checkpointing(module)
+            if trainable and training.compile:  # the reference runs one forward per step: not worth a compile
+                apply_block_compile(module)
             module = apply_fsdp(module, layout.mesh, param_dtype)
             if trainable:
                 module.train()

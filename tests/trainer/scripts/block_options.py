@@ -1,5 +1,6 @@
-"""2 ranks: the same training with and without activation checkpointing, through a resize (2 replicas -> 1):
-bitwise the same shards, the same state-dict names. Writes a JSON report to argv[1]."""
+"""2 ranks: the same training with and without a per-block option (argv[2]: 'activation_checkpointing', or
+'compile'), through a resize (2 replicas -> 1): the shards after it (bitwise equal, and the largest
+difference), the same state-dict names. Writes a JSON report to argv[1]."""
 
 import json
 import sys
@@ -29,16 +30,23 @@ def virtual(k: int):
                 [1.0, -1.0, 0.5, -0.5], [1.0] * 4, [0.0] * 4, 0)
 
 
-def run(ac: str):
+OPTION = sys.argv[2]
+SETTINGS = {"activation_checkpointing": ("none", "full"), "compile": (False, True)}[OPTION]
+
+
+def run(value):
     cfg = JobConfig()
     cfg.training.lr = 2e-3
     cfg.training.num_minibatches = 2
     cfg.training.kl_coef = 0.05
-    cfg.training.activation_checkpointing = ac
+    setattr(cfg.training, OPTION, value)
     trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 2, device)
-    trainer.train_step([virtual(rank)])
+    stats = trainer.train_step([virtual(rank)])
+    first_loss[str(value)] = (stats.loss, stats.grad_norm)
     keys = sorted(trainer.model.state_dict())
-    wrapped[ac] = sum(isinstance(m, CheckpointWrapper) for m in trainer.model.modules())
+    wrapped[str(value)] = sum(
+        isinstance(m, CheckpointWrapper) or getattr(m, "_compiled_call_impl", None) is not None for m in trainer.model.modules()
+    )
     trainer.resize(1, bucket_bytes=1 << 20)
     if trainer.active:
         trainer.train_step([virtual(0), virtual(1)])
@@ -47,11 +55,16 @@ def run(ac: str):
 
 
 wrapped: dict[str, int] = {}
-plain, plain_keys = run("none")
-checkpointed, ac_keys = run("full")
-report = {"same_keys": plain_keys == ac_keys, "wrapper_in_keys": any("checkpoint" in k for k in ac_keys), "wrapped": wrapped}
+first_loss: dict[str, tuple[float, float]] = {}  # the first step's (loss, grad norm)
+plain, plain_keys = run(SETTINGS[0])
+optioned, option_keys = run(SETTINGS[1])
+report = {
+    "same_keys": plain_keys == option_keys, "wrapper_in_keys": any("checkpoint" in k or "_orig_mod" in k for k in option_keys),
+    "wrapped": wrapped, "first_step": first_loss,
+}
 if rank == 0:
-    report["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(plain, checkpointed)) and len(plain) == len(checkpointed)
+    report["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(plain, optioned)) and len(plain) == len(optioned)
+    report["max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(plain, optioned))
     with open(sys.argv[1], "w") as f:
         json.dump(report, f)
 dist.barrier()
