@@ -192,6 +192,7 @@ class DecoupledSim:
             if cfg.adaptive_placement else None
         )
         self.window: list[dict] = []
+        self.engines_ever: list[SimEngine] = []  # every engine the run built (for its preemption count)
         self._enter(cfg.replicas)
 
     # ---- placement ---------------------------------------------------------------------
@@ -221,6 +222,7 @@ class DecoupledSim:
         engines = [r.engine for r in self.rollouts]
         kept = engines[len(engines) - num_rollout:] if num_rollout <= len(engines) else engines
         fresh = [SimEngine(self.profile, i) for i in range(num_rollout - len(kept))]
+        self.engines_ever.extend(fresh)
         for engine in fresh:
             engine.clock = engine.paused_until = self.clock
             engine.version = self.version
@@ -420,6 +422,7 @@ class DecoupledSim:
                     self.transitions[-1]["reason"] = decision.reason
         result = summarize(self.records, cfg.warmup_steps, self.transitions)
         result["evicted_unused"] = self.evicted_unused
+        result["preemptions"] = sum(engine.preemptions for engine in self.engines_ever)
         result["staleness_counts"] = [sum(r.staleness[k] for r in self.records) for k in range(self.settings.delta + 1)]
         return result
 
