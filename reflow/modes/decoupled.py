@@ -155,6 +155,7 @@ class DecoupledMode(ModeBase):
         self.outbox = Outbox(data_group, "data")
         self.steps_done = 0
         self.received_in_window = 0  # samples that reached this shard since the previous step
+        self.received_tokens_in_window = 0  # and their response tokens (trained or not: evicted ones count too)
         self.buffer: ReplayBuffer | None = None
         self.rollout_stats: dict[int, dict] = {}  # rank 0: busy/idle seconds per rollout rank since the last step
         # the last window's ratio, KV usage and caps, repeated by a step with no report in it
@@ -260,6 +261,7 @@ class DecoupledMode(ModeBase):
                 if body["type"] == "group":
                     self.ledger["received"].extend(s.uid for s in samples)
                     self.received_in_window += len(samples)
+                    self.received_tokens_in_window += sum(len(s.output_ids) for s in samples)
                 else:  # a leaving shard's buffer: only its unused samples still await their fate
                     self.ledger["handed_in_unused"].extend(s.uid for s in samples if s.use_count == 0)
             elif body["type"] == "stats":  # the sender's engine time, idle time and admission gate since its last report
@@ -370,8 +372,10 @@ class DecoupledMode(ModeBase):
         row = self.step_metrics(
             plan.fresh, trained, stats, timer, trained_version, trainer_wait_s=timer.get("wait"), rollout_wait_s=0.0
         )
-        counts = torch.tensor([len(plan.fresh), len(plan.replayed), self.received_in_window], dtype=torch.float64)
-        self.received_in_window = 0
+        counts = torch.tensor(
+            [len(plan.fresh), len(plan.replayed), self.received_in_window, self.received_tokens_in_window], dtype=torch.float64
+        )
+        self.received_in_window = self.received_tokens_in_window = 0
         dist.all_reduce(counts, group=self.trainer_group)
         buffered = torch.tensor([len(self.buffer)], dtype=torch.float64)
         dist.all_reduce(buffered, op=dist.ReduceOp.MAX, group=self.trainer_group)
@@ -381,6 +385,8 @@ class DecoupledMode(ModeBase):
             fresh_samples=fresh,
             replayed_samples=replayed,
             received_samples=int(counts[2]),
+            # what the engines generated, before staleness eviction (response_len_mean is over trained samples)
+            received_response_len_mean=counts[3].item() / counts[2].item() if counts[2] else 0.0,
             trainer_wait_s=timer.get("wait"),
             replay_fraction=replay_fraction,
             alpha=replay_gradient_share(replay_fraction, self.settings.tau),

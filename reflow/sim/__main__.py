@@ -81,8 +81,11 @@ def cmd_validate(args) -> int:
     detail, throughput_errors, idle_errors = {}, [], []
     for mode in MODES:
         measured = real["modes"][mode]
-        # the task's answer lengths, scaled to what the policy wrote in this run (it learns as it trains)
-        lengths = [json.loads(line)["response_len_mean"] for line in open(metrics[mode]) if "response_len_mean" in line]
+        # the task's answer lengths, scaled to what the policy wrote in this run (it learns as it trains): the
+        # lengths generated (received by the shards, evicted ones too) where the run logged them, else trained
+        rows = [json.loads(line) for line in open(metrics[mode]) if "response_len_mean" in line]
+        key = "received_response_len_mean" if all("received_response_len_mean" in row for row in rows) else "response_len_mean"
+        lengths = [row[key] for row in rows if row.get("received_samples", 1)]
         mean_dataset = sum(dataset.empirical) / len(dataset.empirical)
         scale = (sum(lengths) / len(lengths)) / mean_dataset
         workload = dataclasses.replace(dataset, empirical=tuple(max(1, round(n * scale)) for n in dataset.empirical))
@@ -108,7 +111,7 @@ def cmd_validate(args) -> int:
         "profile": profile.as_dict(),
         "workload": {
             "train_file": cfg.task.train_file, "prompt_tokens": dataset.prompt_tokens,
-            "response_tokens": "the file's answer lengths, scaled per mode to the run's mean response length",
+            "response_tokens": "the file's answer lengths, scaled per mode to the run's mean generated response length",
         },
         "throughput_error": max(throughput_errors),
         "idle_error": max(idle_errors),
