@@ -3,15 +3,20 @@
 Saved with torch.distributed.checkpoint under <dump_folder>/<checkpoint.folder>/step-N,
 over the process group of the ranks that train at that step (the placement may have changed since
 startup; the checkpoint records the trainer replica count, and DCP reshards the state when a run
-loads it onto another placement). A checkpoint directory is only
-considered complete once its ``.metadata`` file exists, so a run killed
-mid-save resumes from the previous one.
+loads it onto another placement).
+
+Writes are atomic: every rank writes into step-N.partial, and once DCP's save has returned on every rank
+(its metadata written last, by the coordinator) rank 0 renames the folder to step-N. Only step-N folders
+with their ``.metadata`` count, so a write killed at any point leaves the previous checkpoint the latest,
+and the next save at that step clears the leftover. Then the oldest complete checkpoints beyond
+checkpoint.keep_last are deleted (the folder is shared by the ranks, as DCP requires).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -25,6 +30,7 @@ class CheckpointManager:
         self.interval = cfg.checkpoint.interval
         self.folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         self.load_step = cfg.checkpoint.load_step
+        self.keep_last = cfg.checkpoint.keep_last
 
     def _path(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}")
@@ -39,14 +45,57 @@ class CheckpointManager:
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
+    def check(self) -> None:
+        """Before any rank starts: the checkpoint a resume would load exists, is complete and its metadata reads
+        (a missing ``checkpoint.load_step``, or a corrupt one, is one error naming the key and the path)."""
+        if not self.enabled:
+            return
+        steps = self.available_steps()
+        if self.load_step >= 0 and self.load_step not in steps:
+            raise ValueError(
+                f"checkpoint.load_step = {self.load_step}: no complete checkpoint at {self._path(self.load_step)} "
+                f"(available: {steps or 'none'})"
+            )
+        step = self.load_step if self.load_step >= 0 else (steps[-1] if steps else -1)
+        if step < 0:
+            return
+        try:
+            dcp.FileSystemReader(self._path(step)).read_metadata()
+        except Exception as e:  # noqa: BLE001 - any failure to read it means the same thing to the user
+            raise ValueError(
+                f"checkpoint.folder: the checkpoint {self._path(step)} is unreadable ({type(e).__name__}: {e}); "
+                f"remove it to resume from an earlier one, or set checkpoint.load_step (available: {steps})"
+            ) from None
+
     def should_save(self, step: int, last: bool) -> bool:
         return self.enabled and (step % self.interval == 0 or last)
 
     def save(self, step: int, trainer, extra: dict) -> str:
+        """Every rank of ``trainer.group`` calls; returns the final path."""
         state = {"trainer": trainer.state_dict(), "extra": dict(extra)}
         path = self._path(step)
-        dcp.save(state, checkpoint_id=path, process_group=trainer.group)
+        partial = path + ".partial"
+        leader = dist.get_rank() == 0  # global rank 0 trains in every placement: it leads the trainer group
+        if leader:
+            shutil.rmtree(partial, ignore_errors=True)  # a killed write's leftover
+            os.makedirs(self.folder, exist_ok=True)
+        dist.barrier(group=trainer.group)
+        dcp.save(state, checkpoint_id=partial, process_group=trainer.group)
+        dist.barrier(group=trainer.group)  # every rank's files are in; the metadata too
+        if leader:
+            if os.path.exists(path):  # saved at this step before (a rerun): replace it
+                shutil.rmtree(path)
+            os.replace(partial, path)
+            self._prune()
+        dist.barrier(group=trainer.group)
         return path
+
+    def _prune(self) -> None:
+        """Delete the oldest complete checkpoints beyond keep_last (rank 0, after a save)."""
+        if self.keep_last <= 0:
+            return
+        for step in self.available_steps()[: -self.keep_last]:
+            shutil.rmtree(self._path(step), ignore_errors=True)
 
     def _choose_step(self) -> int:
         """Rank 0 decides which step to load (-1: none) and tells every rank, so all load the same one."""

@@ -2,6 +2,10 @@
 
     torchrun --nproc-per-node N -m reflow.train --config train_configs/tiny.toml [--section.key=value ...]
     python -m reflow.train --config train_configs/qwen3_8b.toml --dry-run     # print the resolved config
+    WORLD_SIZE=N python -m reflow.train --config ... --check  # what the launchers run before torchrun
+
+Bad input (config, placement, data files, model folder, checkpoint) is one line naming the file and key,
+and exit code 2, before any rank builds anything.
 
 Build order (every rank, same order: engine and mesh construction are collective):
   1. config: TOML + overrides, validated against the world size and the model recipe
@@ -95,9 +99,31 @@ def pin_local_gpu() -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = local
 
 
-def build_components(cfg: JobConfig, recipe, placement, schedule: list[tuple[int, int]], warnings: list[str]):
-    """Build every rank's components. ``recipe``, ``placement``, ``schedule`` (placement.schedule parsed) and
-    ``warnings`` come from the checks ``main`` ran before any rank started building."""
+def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
+    """Everything the config points at, read before any rank starts: the Hugging Face folder (weights, config,
+    tokenizer), the task and its data files (every row), and the checkpoint a resume would load. Returns the
+    train and eval problems."""
+    from reflow.checkpoint import CheckpointManager
+    from reflow.tasks import build_task, load_problems
+    from reflow.trainer.hf_io import check_hf_dir
+
+    if cfg.model.hf_checkpoint:
+        check_hf_dir(resolve_hf_dir(cfg, recipe), f"{where('model.hf_checkpoint')}: model.hf_checkpoint")
+    else:
+        check_hf_dir(resolve_hf_dir(cfg, recipe), f"{recipe.path}: [recipe] hf_checkpoint")
+    build_task(cfg.task.name)
+    train_problems = load_problems(resolve_path(cfg.task.train_file), f"{where('task.train_file')}: task.train_file")
+    eval_problems = load_problems(resolve_path(cfg.task.eval_file), f"{where('task.eval_file')}: task.eval_file")
+    CheckpointManager(cfg).check()
+    return train_problems, eval_problems
+
+
+def build_components(
+    cfg: JobConfig, recipe, placement, schedule: list[tuple[int, int]], warnings: list[str], problems: tuple[list, list]
+):
+    """Build every rank's components. ``recipe``, ``placement``, ``schedule`` (placement.schedule parsed),
+    ``warnings`` and the (train, eval) ``problems`` come from the checks ``main`` ran before any rank started
+    building."""
     import torch
 
     from reflow.checkpoint import CheckpointManager
@@ -106,17 +132,14 @@ def build_components(cfg: JobConfig, recipe, placement, schedule: list[tuple[int
     from reflow.modes.base import Components
     from reflow.modes.rollouts import PromptTokenizer
     from reflow.rollout.engine import RolloutEngine
-    from reflow.tasks import build_task, load_problems
-    from reflow.trainer.hf_io import check_hf_dir
+    from reflow.tasks import build_task
     from reflow.trainer.policy import PolicyTrainer
     from reflow.weight_sync import WeightSync, build_sync_plan
 
-    # 1. files the config points at (before any heavy build)
+    # 1. the inputs ``check_inputs`` read
     hf_dir = resolve_hf_dir(cfg, recipe)
-    check_hf_dir(hf_dir, "model.hf_checkpoint" if cfg.model.hf_checkpoint else f"{recipe.path}: [recipe] hf_checkpoint")
     task = build_task(cfg.task.name)
-    train_problems = load_problems(resolve_path(cfg.task.train_file))
-    eval_problems = load_problems(resolve_path(cfg.task.eval_file))
+    train_problems, eval_problems = problems
     # 2. distributed
     rank, world, device = init_distributed()
     assert world == placement.world_size, "the placement was validated against torchrun's WORLD_SIZE"
@@ -207,28 +230,45 @@ def main(argv: list[str] | None = None) -> int:
         schedule = parse_schedule(cfg, placement, manager.where) if cfg.placement.schedule else []
         recipe = load_recipe(cfg.model.recipe)
         warnings = validate_recipe(cfg, recipe, placement, manager.where) + mode_warnings(cfg, manager.where)
+        problems = check_inputs(cfg, recipe, manager.where)
     except (ConfigError, ValueError) as e:
-        print(f"reflow: config error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # one line per run, not one per rank
+            print(f"reflow: config error: {e}", file=sys.stderr)
         return 2
+    if manager.check_only:
+        print(f"reflow: {manager.config_file or 'defaults'}: config, placement ({placement.name}), data, model and "
+              f"checkpoint OK for {placement.world_size} ranks")
+        return 0
 
     pin_local_gpu()
     import torch.distributed as dist
 
     from reflow.modes import MODES
 
-    parts = build_components(cfg, recipe, placement, schedule, warnings)
+    parts = build_components(cfg, recipe, placement, schedule, warnings, problems)
     mode = MODES[cfg.training.mode](parts)
+    mode.stop_signals.install()  # SIGTERM / SIGUSR1: stop after the current step (reflow.stopping)
     t0 = time.time()
     mode.run()
-    parts.logger.info(f"trained {cfg.training.steps} steps in {time.time() - t0:.1f}s; metrics in {cfg.job.dump_folder}/metrics.jsonl")
-    if cfg.checkpoint.export_hf and parts.trainer is not None and parts.trainer.active:
+    ran = f"trained {mode.step} of {cfg.training.steps} steps" if mode.step < cfg.training.steps else f"trained {mode.step} steps"
+    parts.logger.info(f"{ran} in {time.time() - t0:.1f}s; metrics in {cfg.job.dump_folder}/metrics.jsonl")
+    code = 0
+    if mode.stopped_by == "non-finite updates":
+        if parts.rank == 0:
+            print(f"reflow: training stopped after step {mode.step}: {mode.diverged}", file=sys.stderr)
+        code = 1
+    elif mode.stopped_by not in (None, "time budget"):
+        where = f"a checkpoint of step {mode.step} is in {parts.checkpoints.folder}" if cfg.checkpoint.enable else (
+            "checkpoint.enable is false: nothing to resume from")
+        parts.logger.info(f"stopped by {mode.stopped_by} after step {mode.step}; {where}; run the same command to resume")
+    if code == 0 and mode.stopped_by in (None, "time budget") and cfg.checkpoint.export_hf and parts.trainer is not None and parts.trainer.active:
         out = os.path.join(cfg.job.dump_folder, "hf_final")
         parts.trainer.export_hf(out, write=parts.rank == 0)
         parts.logger.info(f"exported the policy in Hugging Face format to {out}")
     parts.logger.close()
     dist.barrier()
     # vLLM's exit hook tears down its own process groups; it needs the default group alive then
-    return 0
+    return code
 
 
 if __name__ == "__main__":

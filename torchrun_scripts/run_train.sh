@@ -11,5 +11,8 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Check the config, the placement for NPROC ranks, the data, the model folder and the checkpoint first: bad
+# input is one line and exit code 2 here, before torchrun starts a rank.
+WORLD_SIZE="$NPROC" "$PYTHON" -m reflow.train --config "$CONFIG" --check "$@"
 exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "$MASTER_PORT" \
   -m reflow.train --config "$CONFIG" "$@"

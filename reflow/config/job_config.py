@@ -52,7 +52,7 @@ class Training:
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     max_norm: float = 1.0
     """Gradient clipping max norm (<= 0 disables clipping)."""
@@ -74,6 +74,9 @@ class Training:
     """Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style centring."""
     is_truncation: float = 2.0
     """Truncated importance weight cap against vLLM behavior log-probs (<= 0 disables the correction)."""
+    max_nonfinite_steps: int = 3
+    """An optimizer update whose loss or gradients are NaN or inf is skipped (and logged: skipped_updates); after
+    this many steps in a row with a skipped update the run stops with an error (0: never stop)."""
     activation_checkpointing: str = "none"
     """'none' or 'full': recompute each transformer block in the backward pass (torchtitan's FullAC), trading
     compute for activation memory on long sequences."""
@@ -130,7 +133,7 @@ class Placement:
     """HSDP shard dimension (s_T); -1 = all remaining trainer ranks."""
     num_rollout_ranks: int = 0
     """Ranks that only generate. 0 = colocated: every rank both trains and generates (sync mode)."""
-    schedule: list = field(default_factory=list)
+    schedule: list[str] = field(default_factory=list)
     """Forced placement changes ('reflow' mode): "STEP:REPLICAS" entries, e.g. ["10:1", "20:2"]: after trainer
     step STEP (a weight-sync step) the trainer has REPLICAS replicas of trainer_shard_degree ranks and the
     other ranks generate. Ranks change role in place: no restart."""
@@ -201,6 +204,8 @@ class Checkpoint:
     """Sub-folder of dump_folder (an absolute path is used as is: a run can resume from another run's checkpoints)."""
     load_step: int = -1
     """Resume from this step (-1: latest found, if any)."""
+    keep_last: int = 3
+    """Complete checkpoints kept: after each save the oldest beyond this many are deleted (0: keep every one)."""
     export_hf: bool = True
     """At the end, export the trained policy to <dump_folder>/hf_final in Hugging Face format."""
 

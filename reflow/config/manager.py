@@ -84,7 +84,10 @@ def _coerce(value: Any, typ: Any, where: str, from_cli: bool) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return value
+        (element,) = typing.get_args(typ) or (Any,)
+        if element is Any:
+            return value
+        return [_coerce(item, element, f"{where}[{index}]", from_cli=False) for index, item in enumerate(value)]
     if typ is bool and not isinstance(value, bool):
         raise ConfigError(f"{where}: expected a boolean, got {value!r}")
     if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -139,15 +142,16 @@ class ConfigManager:
                     raise ConfigError(f"command line: {arg} needs a value")
                 name, value = arg[2:], args[i + 1]
                 i += 1
-            section, key = name.split(".", 1)
-            _set(self.config, section.replace("-", "_"), key.replace("-", "_"), value, "command line", from_cli=True)
+            section, key = (part.replace("-", "_") for part in name.split(".", 1))  # --training.max-norm works too
+            _set(self.config, section, key, value, "command line", from_cli=True)
             self.sources[f"{section}.{key}"] = "command line"
             i += 1
 
     def parse_args(self, argv: list[str] | None = None) -> JobConfig:
-        """Parse ``--config FILE [--dry-run] [--section.key=value ...]``; validates before returning."""
+        """Parse ``--config FILE [--dry-run | --check] [--section.key=value ...]``."""
         argv = list(sys.argv[1:] if argv is None else argv)
         self.dry_run = False
+        self.check_only = False  # --check: validate config, placement and inputs for WORLD_SIZE ranks, then exit
         self.config_file = None
         rest: list[str] = []
         i = 0
@@ -163,6 +167,8 @@ class ConfigManager:
                 self.config_file = a.split("=", 1)[1]
             elif a == "--dry-run":
                 self.dry_run = True
+            elif a == "--check":
+                self.check_only = True
             elif a in ("-h", "--help"):
                 print(self.help_text())
                 raise SystemExit(0)
@@ -178,7 +184,7 @@ class ConfigManager:
         return self.sources.get(dotted, "default")
 
     def help_text(self) -> str:
-        lines = ["usage: reflow.train --config FILE [--dry-run] [--section.key=value ...]", ""]
+        lines = ["usage: reflow.train --config FILE [--dry-run | --check] [--section.key=value ...]", ""]
         for sec_field in dataclasses.fields(JobConfig):
             sec = getattr(self.config, sec_field.name)
             docs = field_docs(type(sec))

@@ -44,6 +44,8 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         ("weight_sync.interval", cfg.weight_sync.interval, 1),
         ("metrics.log_freq", cfg.metrics.log_freq, 1),
         ("checkpoint.interval", cfg.checkpoint.interval, 1),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last, 0),
+        ("training.max_nonfinite_steps", t.max_nonfinite_steps, 0),
     ):
         if value < low:
             fail(key, f"must be >= {low}, got {value}")

@@ -15,6 +15,7 @@ from reflow.distributed.placement import Placement
 from reflow.metrics.logger import MetricsLogger
 from reflow.modes.rollouts import PromptTokenizer, Sample, make_group_requests, score
 from reflow.rollout.engine import RolloutEngine
+from reflow.stopping import NonFiniteGuard, StopSignals
 from reflow.tasks.base import Problem, Task, iterate_epochs
 from reflow.trainer.policy import PolicyTrainer, StepStats
 from reflow.weight_sync.broadcast import WeightSync
@@ -85,6 +86,12 @@ class ModeBase:
         self.finished = False
         self.resumed_replicas: int | None = None
         """Trainer replicas when the checkpoint this run resumed from was saved."""
+        self.stop_signals = StopSignals()
+        """Installed by ``reflow.train`` before ``run``: a SIGTERM or SIGUSR1 ends the run after the current step."""
+        self.nonfinite = NonFiniteGuard(parts.cfg.training.max_nonfinite_steps)
+        self.stopped_by: str | None = None
+        """Why the loop ended before training.steps: "time budget", a signal's name, or a non-finite error."""
+        self.diverged: str | None = None
 
     # ---- data ---------------------------------------------------------------
 
@@ -155,10 +162,14 @@ class ModeBase:
             if cfg.metrics.eval_interval and self.step % cfg.metrics.eval_interval == 0:
                 row["eval_reward"] = self.evaluate(cfg.metrics.eval_num_prompts)
             history.append(row)
-            last = self.step == cfg.training.steps or self._out_of_time(start)
+            self.diverged = self.nonfinite.observe(self.step, row.get("skipped_updates", 0))
+            stop = self._stop_reason(start)
+            last = self.step == cfg.training.steps or stop is not None
+            if stop is not None and self.step < cfg.training.steps:
+                self.stopped_by = stop
             if self.step % cfg.metrics.log_freq == 0 or last:
                 parts.logger.log(self.step, row)
-            if parts.checkpoints.should_save(self.step, last):
+            if parts.checkpoints.should_save(self.step, last) and self.diverged is None:
                 extra = {
                     "step": self.step, "policy_version": self.version, "prompts_drawn": self.prompts_drawn(),
                     "trainer_replicas": parts.trainer.layout.replicas,
@@ -172,14 +183,22 @@ class ModeBase:
                 break
         return history
 
-    def _out_of_time(self, start: float) -> bool:
-        """training.time_budget_s reached? Decided on trainer rank 0 so every trainer rank stops together."""
+    def _stop_reason(self, start: float) -> str | None:
+        """Stop after this step? Every trainer rank gets the same answer from one all-reduce(MAX) of
+        [non-finite streak reached, training.time_budget_s reached (rank 0's clock: rank 0 trains in every
+        placement), a stop signal received (any rank)] (``reflow.stopping``)."""
         budget = self.parts.cfg.training.time_budget_s
-        if budget <= 0:
-            return False
-        flag = torch.tensor([1 if time.perf_counter() - start >= budget else 0])
-        dist.broadcast(flag, src=0, group=self.trainer_group)  # rank 0 trains in every placement
-        return bool(flag.item())
+        out_of_time = budget > 0 and dist.get_rank() == 0 and time.perf_counter() - start >= budget
+        signal_name = self.stop_signals.received
+        flags = torch.tensor([int(self.diverged is not None), int(out_of_time), int(signal_name is not None)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.trainer_group)
+        if flags[0]:
+            return "non-finite updates"
+        if flags[1]:
+            return "time budget"
+        if flags[2]:
+            return signal_name or "a stop signal on another rank"
+        return None
 
     # ---- metrics ----------------------------------------------------------------
 
@@ -256,6 +275,7 @@ class ModeBase:
             "kl_ref": stats.kl_ref,
             "behavior_logprob_gap": stats.behavior_kl,
             "behavior_logprob_gap_max": stats.max_abs_logprob_diff,
+            "skipped_updates": stats.skipped_updates,
         }
 
     # ---- evaluation ----------------------------------------------------------------

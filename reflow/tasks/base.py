@@ -8,6 +8,7 @@ same small protocol; the trainer never looks inside a row.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Iterator, Protocol, runtime_checkable
 
@@ -36,24 +37,40 @@ class Task(Protocol):
         ...
 
 
-def load_problems(path: str) -> list[Problem]:
-    """Read a JSONL file of {"id", "prompt", "answer"} rows; errors name the file and line."""
+def load_problems(path: str, key: str = "task.train_file") -> list[Problem]:
+    """Read a JSONL file of {"id", "prompt", "answer"} rows. Errors name the config key, the file and the line:
+    a missing or empty file, a line that is not UTF-8 or not a JSON object, a row without a non-empty prompt
+    (never an empty prompt in silence), or without an answer."""
     problems: list[Problem] = []
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except FileNotFoundError:
-        raise ValueError(f"task data file not found: {path} (set task.train_file / task.eval_file)") from None
+        raise ValueError(f"{key}: task data file not found: {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{key}: {path} is a folder, not a JSONL file") from None
     with f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            where = f"{key}: {path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                problems.append(Problem(uid=str(row["id"]), prompt=str(row["prompt"]), answer=str(row["answer"])))
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{path}:{lineno}: bad task row ({e!r}); expected keys id, prompt, answer") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not a JSON object ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object with keys id, prompt, answer, got {type(row).__name__}")
+            prompt = row.get("prompt")
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{where}: row has no prompt (field 'prompt' must be a non-empty string, got {prompt!r})")
+            if "answer" not in row:
+                raise ValueError(f"{where}: row has no 'answer' field")
+            problems.append(Problem(uid=str(row.get("id", f"{os.path.basename(path)}:{lineno}")), prompt=prompt, answer=str(row["answer"])))
     if not problems:
-        raise ValueError(f"task data file is empty: {path}")
+        raise ValueError(f"{key}: task data file is empty: {path}")
     return problems
 
 

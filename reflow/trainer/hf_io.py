@@ -35,10 +35,17 @@ def build_adapter(model_config, hf_dir: str | None):
 
 
 def check_hf_dir(hf_dir: str, key: str = "model.hf_checkpoint") -> None:
+    """A Hugging Face folder the trainer and the engine can load: weights (safetensors), config.json and a
+    tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary files)."""
     if not hf_dir or not os.path.isdir(hf_dir):
         raise ValueError(f"{key}: Hugging Face checkpoint folder not found: {hf_dir!r}")
-    if not any(f.endswith(".safetensors") for f in os.listdir(hf_dir)):
-        raise ValueError(f"{key}: no .safetensors files in {hf_dir}")
+    files = set(os.listdir(hf_dir))
+    if not any(f.endswith(".safetensors") for f in files):
+        raise ValueError(f"{key}: no .safetensors weights in {hf_dir}")
+    if "config.json" not in files:
+        raise ValueError(f"{key}: no config.json in {hf_dir}")
+    if not files & {"tokenizer.json", "tokenizer_config.json"}:
+        raise ValueError(f"{key}: no tokenizer (tokenizer.json or tokenizer_config.json) in {hf_dir}")
 
 
 @torch.no_grad()

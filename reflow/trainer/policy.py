@@ -65,6 +65,8 @@ class StepStats:
     behavior_kl: float
     """Mean of (logp_old - logp_behavior) over tokens: how far vLLM's sampling distribution is from the trainer's."""
     max_abs_logprob_diff: float
+    skipped_updates: int = 0
+    """Optimizer updates of the step skipped for a non-finite loss or gradient norm."""
 
 
 @dataclass
@@ -351,6 +353,7 @@ class PolicyTrainer:
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
         max_diff = torch.zeros(1, dtype=torch.float64)
         grad_norms = []
+        skipped = 0
         for epoch in range(training.ppo_epochs):
             chunks = []
             for seg in segments:
@@ -368,6 +371,7 @@ class PolicyTrainer:
                     for seg, rows, old, ref in zip(segments, chunks, old_lps, ref_lps)
                 ]
                 stats = self._update(parts)
+                skipped += stats.pop("skipped")
                 if epoch == training.ppo_epochs - 1:  # report the last pass
                     grad_norms.append(stats.pop("grad_norm"))
                     max_diff[0] = max(max_diff[0].item(), stats.pop("max_diff"))
@@ -385,6 +389,7 @@ class PolicyTrainer:
             kl_ref=totals[4].item() / tokens,
             behavior_kl=totals[5].item() / tokens,
             max_abs_logprob_diff=max_diff.item(),
+            skipped_updates=skipped,
         )
 
     def _update(self, parts: list[tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None]]) -> dict[str, float]:
@@ -414,10 +419,15 @@ class PolicyTrainer:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        self.optimizer.step()
+        # the global norm, the same on every trainer rank: a NaN or inf anywhere in the loss or the gradients
+        # shows here, and every rank skips the update together (the parameters and AdamW keep their last state)
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.num_updates += 1
         stats["grad_norm"] = float(norm)
+        stats["skipped"] = 0 if finite else 1
         return stats
 
     def _backward(self, mb: TrainBatch, old_lp, ref_lp, den: float, stats: dict, padding: bool = False) -> None:

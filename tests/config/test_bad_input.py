@@ -1,0 +1,174 @@
+"""The bad-input battery: every kind of bad input is one line on stderr naming the file and the key (or field),
+and exit code 2, before any rank starts. Run through ``reflow.train.main`` as torchrun's ranks and the
+launchers' ``--check`` run it (in process: nothing here starts a rank), and once through the shipped launcher."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from reflow.train import main
+from tests.conftest import ROOT
+
+TINY = os.path.join(ROOT, "train_configs", "tiny.toml")
+HF = os.path.join(ROOT, "assets", "tiny-qwen3")
+
+
+def check(capsys, monkeypatch, argv: list[str], world: int = 2) -> tuple[int, list[str]]:
+    """``--check`` with torchrun's WORLD_SIZE: the exit code and the lines printed on stderr."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("RANK", raising=False)
+    code = main(["--check", *argv])
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.strip() and "WARNING" not in line]
+
+
+def one_error(capsys, monkeypatch, argv, *expected: str, world: int = 2) -> str:
+    code, lines = check(capsys, monkeypatch, argv, world)
+    assert code == 2, lines
+    assert len(lines) == 1, lines
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def config_file(tmp_path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def data_file(tmp_path, content: bytes, name: str = "data.jsonl") -> str:
+    path = tmp_path / name
+    path.write_bytes(content)
+    return str(path)
+
+
+def test_good_input_passes_and_names_the_placement(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--check", "--config", TINY]) == 0
+    assert "OK for 2 ranks" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- the config
+
+
+def test_malformed_toml(tmp_path, capsys, monkeypatch):
+    path = config_file(tmp_path, "[training\nlr = 1\n")
+    one_error(capsys, monkeypatch, ["--config", path], path, "invalid TOML")
+
+
+def test_unknown_key_in_the_file_and_on_the_command_line(tmp_path, capsys, monkeypatch):
+    path = config_file(tmp_path, "[training]\nlearning_rate = 1e-4\n")
+    one_error(capsys, monkeypatch, ["--config", path], path, "training.learning_rate")
+    one_error(capsys, monkeypatch, ["--config", TINY, "--rollout.temprature=0.5"], "command line", "rollout.temprature")
+    one_error(capsys, monkeypatch, ["--config", TINY, "--nosuch.key=1"], "command line", "[nosuch]")
+
+
+def test_wrong_types_including_list_elements(tmp_path, capsys, monkeypatch):
+    path = config_file(tmp_path, '[training]\nlr = "fast"\n')
+    one_error(capsys, monkeypatch, ["--config", path], path, "training.lr", "expected a number")
+    one_error(capsys, monkeypatch, ["--config", TINY, '--training.betas=["a",1]'], "training.betas'[0]", "expected a number")
+    one_error(capsys, monkeypatch, ["--config", TINY, "--training.betas=0.9"], "training.betas", "expected a list")
+    one_error(capsys, monkeypatch, ["--config", TINY, "--training.steps=ten"], "training.steps", "expected int")
+    path = config_file(tmp_path, "[placement]\nschedule = [10]\n")
+    one_error(capsys, monkeypatch, ["--config", path], path, "placement.schedule'[0]", "expected a string")
+
+
+def test_overrides_with_hyphens_mean_the_same_key(capsys, monkeypatch):
+    from reflow.config import ConfigManager
+
+    manager = ConfigManager()
+    cfg = manager.parse_args(["--config", TINY, "--training.max-norm=0.5", "--rollout.max-new-tokens", "12"])
+    assert cfg.training.max_norm == 0.5 and cfg.rollout.max_new_tokens == 12
+    assert manager.where("training.max_norm") == "command line"
+    code, _ = check(capsys, monkeypatch, ["--config", TINY, "--training.max-norm=0.5"])
+    assert code == 0
+
+
+def test_impossible_placements(capsys, monkeypatch):
+    one_error(capsys, monkeypatch, ["--config", TINY, "--placement.num_rollout_ranks=2"], "placement", world=2)
+    one_error(capsys, monkeypatch, ["--config", TINY, "--placement.trainer_replicate_degree=3"], "placement", world=2)
+
+
+# ---------------------------------------------------------------- the data
+
+
+@pytest.mark.parametrize(
+    "content,expected",
+    [
+        (b"", "task data file is empty"),
+        (b'{"id": 1, "prompt": "1+1=", "answer": "2"}\n{"id": 2, "answer": "3"}\n', ":2: row has no prompt"),
+        (b'{"id": 1, "prompt": "", "answer": "2"}\n', ":1: row has no prompt"),
+        (b'{"id": 1, "prompt": "1+1="}\n', ":1: row has no 'answer' field"),
+        (b'{"id": 1, "prompt": "1+\xff=", "answer": "2"}\n', ":1: not UTF-8"),
+        (b'{"id": 1, "prompt": "1+1=", "answer": "2"\n', ":1: not a JSON object"),
+        (b'[1, 2]\n', ":1: expected a JSON object"),
+    ],
+    ids=["empty", "no-prompt", "empty-prompt", "no-answer", "not-utf8", "broken-json", "not-an-object"],
+)
+def test_bad_data_files_name_the_key_file_and_line(tmp_path, capsys, monkeypatch, content, expected):
+    path = data_file(tmp_path, content)
+    one_error(capsys, monkeypatch, ["--config", TINY, f"--task.train_file={path}"], "task.train_file", path, expected)
+
+
+def test_missing_data_file_names_the_config_file_it_came_from(tmp_path, capsys, monkeypatch):
+    missing = str(tmp_path / "nowhere.jsonl")
+    path = config_file(tmp_path, open(TINY).read().replace("assets/data/chain_sum_eval.jsonl", missing))
+    one_error(capsys, monkeypatch, ["--config", path], path, "task.eval_file", "not found", missing)
+
+
+# ---------------------------------------------------------------- the model folder and the checkpoint
+
+
+@pytest.mark.parametrize("drop,expected", [("model.safetensors", "no .safetensors weights"), ("tokenizer", "no tokenizer")])
+def test_hf_folder_without_weights_or_tokenizer(tmp_path, capsys, monkeypatch, drop, expected):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for name in os.listdir(HF):
+        if name == drop or (drop == "tokenizer" and name.startswith("tokenizer")):
+            continue
+        os.symlink(os.path.join(HF, name), folder / name)
+    one_error(capsys, monkeypatch, ["--config", TINY, f"--model.hf_checkpoint={folder}"], "model.hf_checkpoint", expected)
+
+
+def test_missing_checkpoint_step(tmp_path, capsys, monkeypatch):
+    one_error(
+        capsys, monkeypatch,
+        ["--config", TINY, "--checkpoint.enable=true", "--checkpoint.load_step=5", f"--job.dump_folder={tmp_path}"],
+        "checkpoint.load_step = 5", "no complete checkpoint",
+    )
+
+
+def test_corrupt_checkpoint(tmp_path, capsys, monkeypatch):
+    step = tmp_path / "checkpoint" / "step-3"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"\x00not a pickle")
+    one_error(
+        capsys, monkeypatch, ["--config", TINY, "--checkpoint.enable=true", f"--job.dump_folder={tmp_path}"],
+        "checkpoint", str(step), "unreadable",
+    )
+
+
+# ---------------------------------------------------------------- through the launcher
+
+
+def test_the_launcher_stops_bad_input_before_torchrun_starts(tmp_path):
+    env = dict(os.environ, NPROC="2", CONFIG=TINY, PYTHON=sys.executable)
+    run = subprocess.run(
+        ["bash", os.path.join(ROOT, "torchrun_scripts", "run_train.sh"), f"--task.train_file={tmp_path / 'gone.jsonl'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2, run.stderr
+    assert len(lines) == 1 and "task.train_file" in lines[0] and "gone.jsonl" in lines[0], run.stderr
+    assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr
+
+
+def test_row_ids_default_to_file_and_line(tmp_path):
+    from reflow.tasks import load_problems
+
+    path = data_file(tmp_path, json.dumps({"prompt": "1+1=", "answer": "2"}).encode() + b"\n")
+    assert load_problems(path)[0].uid == "data.jsonl:1"
