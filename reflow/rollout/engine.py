@@ -83,6 +83,14 @@ class RolloutEngine:
         if on_gpu:
             kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
+        else:
+            # Per-request seeds make a sample a function of its request (prompt, seed, prefix), whatever else the
+            # engine ran before or beside it: what an exact resume needs. vLLM 0.32's CPU runner cannot rewind a
+            # seeded generator after a chunked prefill step ("CPU Generator does not use offset"), so on CPU a
+            # prefill is never chunked: a request waits until its whole prompt fits a step's token budget (the
+            # CPU default, 4096 tokens, or max_model_len if larger).
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(4096, r.max_model_len)
         if r.kv_block_size > 0:
             kwargs["block_size"] = r.kv_block_size
         if r.num_kv_blocks > 0:
@@ -96,7 +104,6 @@ class RolloutEngine:
         self.signals: EngineSignals = self.signal_reader.read()
         """KV usage, request counts and preemptions after the latest step (``reflow.rollout.kv_signals``)."""
         self.cfg = cfg
-        self.per_request_seeds = on_gpu
         self.version = 0
         self.sleeping = False
         self.active: dict[str, Request] = {}  # vLLM request id -> request
@@ -114,10 +121,9 @@ class RolloutEngine:
             top_p=r.top_p,
             max_tokens=req.max_tokens - len(req.output_ids),
             logprobs=0,
-            # Per-request seeds make samples reproducible, but vLLM 0.32's CPU runner crashes when a seeded
-            # request's prefill is chunked ("CPU Generator does not use offset"); on CPU the engine-wide
-            # seed (job.seed + rank) is used instead.
-            seed=req.seed + len(req.output_ids) if self.per_request_seeds else None,
+            # the request's own seed, advanced by the tokens it has: a held partial rollout resumes with a fresh
+            # but reproducible stream
+            seed=req.seed + len(req.output_ids),
             detokenize=False,
             ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
