@@ -1,6 +1,7 @@
 # ReFlow quick start. Each target creates/reuses .venv and installs what is missing.
 #   make train   - train the tiny embedded default on CPU (2 ranks, no download)
 #   make test    - run the test suite
+#   make bench   - a benchmark that writes JSON (BENCH=modes|resize|generation|trainer, default modes)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -25,6 +26,9 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m reflow.bench $(or $(BENCH),modes) $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -12,6 +12,9 @@ COMMON = [
     "tensorboard",
     "safetensors",
     "tokenizers",
+    "transformers",  # tokenizers of HF checkpoints, the trainer benchmark's plain loop, the tiny assets
+    "numpy",  # the simulator's profile fit
+    "pillow",  # the benchmarks' and the simulator's PNGs
 ]
 
 setup(

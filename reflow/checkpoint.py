@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -31,6 +32,8 @@ class CheckpointManager:
         self.folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         self.load_step = cfg.checkpoint.load_step
         self.keep_last = cfg.checkpoint.keep_last
+        self.loaded_path: str | None = None
+        """The checkpoint this run resumed from (``maybe_load``)."""
 
     def _path(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}")
@@ -70,8 +73,10 @@ class CheckpointManager:
     def should_save(self, step: int, last: bool) -> bool:
         return self.enabled and (step % self.interval == 0 or last)
 
-    def save(self, step: int, trainer, extra: dict) -> str:
-        """Every rank of ``trainer.group`` calls; returns the final path."""
+    def save(self, step: int, trainer, extra: dict, files: dict[str, object] | None = None) -> str:
+        """Every rank of ``trainer.group`` calls; returns the final path. ``files``: this rank's own state beside
+        the DCP state (name -> picklable object; names must differ between ranks), written into the same
+        folder before it is renamed complete."""
         state = {"trainer": trainer.state_dict(), "extra": dict(extra)}
         path = self._path(step)
         partial = path + ".partial"
@@ -81,6 +86,8 @@ class CheckpointManager:
             os.makedirs(self.folder, exist_ok=True)
         dist.barrier(group=trainer.group)
         dcp.save(state, checkpoint_id=partial, process_group=trainer.group)
+        for name, obj in (files or {}).items():
+            torch.save(obj, os.path.join(partial, f"{name}.pt"))
         dist.barrier(group=trainer.group)  # every rank's files are in; the metadata too
         if leader:
             if os.path.exists(path):  # saved at this step before (a rerun): replace it
@@ -117,6 +124,14 @@ class CheckpointManager:
             )
         return choice[0]
 
+    def read_files(self, prefix: str) -> dict[str, object]:
+        """The per-rank files (``save(files=...)``) of the checkpoint this run resumed from whose names start
+        with ``prefix``, by name."""
+        if self.loaded_path is None:
+            return {}
+        names = sorted(n[:-3] for n in os.listdir(self.loaded_path) if n.startswith(prefix) and n.endswith(".pt"))
+        return {name: torch.load(os.path.join(self.loaded_path, f"{name}.pt"), weights_only=False) for name in names}
+
     def maybe_load(self, trainer) -> dict | None:
         """Load the requested (or latest) checkpoint into ``trainer`` (None, or inactive, on ranks that do not train).
 
@@ -126,6 +141,7 @@ class CheckpointManager:
         step = self._choose_step()
         if step < 0:
             return None
+        self.loaded_path = self._path(step)
         extra = [None]
         if trainer is not None and trainer.active:
             state = {"trainer": trainer.state_dict(), "extra": {"step": 0, "policy_version": 0, "prompts_drawn": 0,

@@ -141,7 +141,7 @@ def build_components(
     task = build_task(cfg.task.name)
     train_problems, eval_problems = problems
     # 2. distributed
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(cfg.job.collective_timeout_s)
     assert world == placement.world_size, "the placement was validated against torchrun's WORLD_SIZE"
     for w in warnings:
         if rank == 0:
@@ -165,7 +165,8 @@ def build_components(
     layouts = build_trainer_layouts(world, placement.shard_degree, replica_counts)
     trainer_group = layouts[placement.replicate_degree].group
     log = MetricsLogger(
-        cfg.job.dump_folder, rank == 0, cfg.training.steps, cfg.metrics.enable_tensorboard, cfg.metrics.enable_progress_bar
+        cfg.job.dump_folder, rank == 0, cfg.training.steps, cfg.metrics.enable_tensorboard, cfg.metrics.enable_progress_bar,
+        plain_every=cfg.metrics.progress_every,
     )
     log.info(f"{placement.describe()}; mode {cfg.training.mode}; model {recipe.name} from {hf_dir}")
     log.info(f"feasible placements with trainer shard degree {placement.shard_degree}: {', '.join(p.name for p in feasible)}")

@@ -196,8 +196,34 @@ def main(argv: list[str] | None = None) -> int:
         )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    png = os.path.splitext(args.out)[0] + ".png"
+    write_png(png, result, {mode: run["rows"] for mode, run in runs.items()})
     print(format_table(result))
-    print(f"[bench] wrote {args.out}", file=sys.stderr)
+    print(f"[bench] wrote {args.out} and {png}", file=sys.stderr)
+
+
+def write_png(path: str, result: dict, rows: dict[str, list[dict]]) -> None:
+    """Training reward (mean of the last 5 steps) against wall-clock time per mode; the held-out eval reward at
+    equal time (and of the starting policy); the trainer and rollout idle ratios."""
+    from reflow.metrics.plot import bars, new_canvas, steps_line
+
+    image, draw = new_canvas(1100, 640)
+    horizon = max(sum(r["step_time_s"] for r in mode_rows) for mode_rows in rows.values())
+    curves = {}
+    for mode, mode_rows in rows.items():
+        t, points = 0.0, []
+        for i, r in enumerate(mode_rows):
+            t += r["step_time_s"]
+            window = [x["reward_mean"] for x in mode_rows[max(0, i - 4) : i + 1]]
+            points.append((t / horizon, sum(window) / len(window)))
+        curves[mode] = points
+    steps_line(draw, (50, 30, 900, 290), f"training reward (last 5 steps) vs wall-clock, 0..{horizon:.0f}s", curves, 1.0)
+    modes = result["modes"]
+    evals = {"start": {"eval reward": result["start_eval_reward"]}} | {m: {"eval reward": s["eval_reward_at_equal_time"]} for m, s in modes.items()}
+    bars(draw, (50, 350, 480, 600), f"held-out reward at equal time ({result['equal_time_s']:.0f}s)", evals, 1.0)
+    idle = {m: {"trainer idle": s["trainer_idle_ratio"], "rollout idle": s["rollout_idle_ratio"]} for m, s in modes.items()}
+    bars(draw, (560, 350, 960, 600), "idle ratios", idle, 1.0)
+    image.save(path)
     return 0
 
 

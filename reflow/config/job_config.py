@@ -23,6 +23,10 @@ class Job:
     """Seed for prompt order, vLLM sampling and parameter init."""
     cpu_affinity: bool = False
     """CPU runs: pin each rank to its own core with one compute thread, so a waiting rank is really idle."""
+    collective_timeout_s: int = 600
+    """Longest a collective waits for a rank before it fails, so a lost rank ends the run instead of hanging
+    it (torchrun --max-restarts then restarts every rank from the latest checkpoint). Keep it above the
+    longest step, checkpoint or HF export."""
 
 
 @dataclass
@@ -187,9 +191,11 @@ class Metrics:
     enable_tensorboard: bool = True
     """Write TensorBoard events under <dump_folder>/tb/."""
     enable_progress_bar: bool = True
-    """Rank 0 draws a one-line progress bar on the console."""
+    """Rank 0 shows progress on the console: a redrawn bar on a terminal, plain lines elsewhere (a Slurm log)."""
+    progress_every: int = 10
+    """Off a terminal: one plain progress line every this many logged steps (and at the last)."""
     eval_interval: int = 0
-    """Greedy evaluation on the eval file every N steps (0 = off)."""
+    """Evaluate every N steps (0 = off): mean reward of one sample per held-out prompt at the rollout temperature."""
     eval_num_prompts: int = 64
     """Prompts used by an evaluation."""
 

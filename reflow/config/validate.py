@@ -43,6 +43,8 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         ("rollout.max_num_seqs", r.max_num_seqs, 1),
         ("weight_sync.interval", cfg.weight_sync.interval, 1),
         ("metrics.log_freq", cfg.metrics.log_freq, 1),
+        ("metrics.progress_every", cfg.metrics.progress_every, 1),
+        ("job.collective_timeout_s", cfg.job.collective_timeout_s, 10),
         ("checkpoint.interval", cfg.checkpoint.interval, 1),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last, 0),
         ("training.max_nonfinite_steps", t.max_nonfinite_steps, 0),

@@ -33,7 +33,23 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
         backend = "cpu:gloo,cuda:nccl" if device_type() == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None:
+            # under torchrun: the agent's store outlives a restart (--max-restarts), and the restarted ranks
+            # would read the dead ranks' addresses from it (gloo: "connectFullMesh failed ... Connection
+            # refused"). Every attempt gets keys of its own.
+            hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                is_master=not hosted_by_agent and os.environ["RANK"] == "0", timeout=timeout,
+            )
+            dist.init_process_group(
+                backend=backend, store=dist.PrefixStore(f"reflow/attempt-{attempt}", store), timeout=timeout,
+                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+            )
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if device_type() == "cuda":
         # pin_local_gpu leaves each rank exactly its own GPU visible: then it is device 0, whatever LOCAL_RANK is

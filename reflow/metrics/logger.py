@@ -1,5 +1,7 @@
-"""One metrics path: rank 0 writes metrics.jsonl, TensorBoard events and a console progress bar.
+"""One metrics path: rank 0 writes metrics.jsonl, TensorBoard events and console progress.
 
+Progress is a redrawn bar on a terminal; off a terminal (a Slurm log, a pipe) it is one plain line every
+``plain_every`` logged steps and at the last, since a carriage-return bar would become one giant line there.
 Other ranks hold a logger that does nothing, so callers never branch on rank.
 """
 
@@ -14,10 +16,17 @@ from typing import Any
 
 
 class MetricsLogger:
-    def __init__(self, dump_folder: str, enabled: bool, total_steps: int, tensorboard: bool = True, progress: bool = True):
+    def __init__(
+        self, dump_folder: str, enabled: bool, total_steps: int, tensorboard: bool = True, progress: bool = True,
+        plain_every: int = 10, tty: bool | None = None,
+    ):
         self.enabled = enabled
         self.total_steps = total_steps
         self.progress = progress and enabled
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        """Draw the bar (a terminal), or print plain lines (``plain_every``)."""
+        self.plain_every = max(1, plain_every)
+        self._logged = 0
         self.start = time.time()
         self._tb = None
         self._file = None
@@ -46,22 +55,27 @@ class MetricsLogger:
             self._draw(step, row)
 
     def _draw(self, step: int, row: dict[str, Any]) -> None:
-        width = 24
+        if "loss" not in row:  # a placement decision's or a transition's row: no progress in it
+            return
+        self._logged += 1
         done = min(step / max(self.total_steps, 1), 1.0)
-        bar = "#" * int(width * done) + "-" * (width - int(width * done))
         elapsed = time.time() - self.start
         eta = elapsed / max(done, 1e-9) * (1 - done)
-        line = (
-            f"\r[{bar}] step {step}/{self.total_steps} reward {row.get('reward_mean', float('nan')):.3f} "
-            f"loss {row.get('loss', float('nan')):+.4f} tok/s {row.get('tokens_per_s', 0):.0f} "
-            f"{elapsed:.0f}s<{eta:.0f}s"
+        summary = (
+            f"step {step}/{self.total_steps} reward {row.get('reward_mean', float('nan')):.3f} "
+            f"loss {row.get('loss', float('nan')):+.4f} tok/s {row.get('tokens_per_s', 0):.0f} {elapsed:.0f}s<{eta:.0f}s"
         )
-        sys.stderr.write(line + ("\n" if step >= self.total_steps else ""))
+        if self.tty:
+            width = 24
+            bar = "#" * int(width * done) + "-" * (width - int(width * done))
+            sys.stderr.write(f"\r[{bar}] {summary}" + ("\n" if step >= self.total_steps else ""))
+        elif self._logged % self.plain_every == 0 or step >= self.total_steps or self._logged == 1:
+            sys.stderr.write(f"[reflow] {summary}\n")
         sys.stderr.flush()
 
     def info(self, message: str) -> None:
         if self.enabled:
-            sys.stderr.write(("\n" if self.progress else "") + f"[reflow] {message}\n")
+            sys.stderr.write(("\n" if self.progress and self.tty else "") + f"[reflow] {message}\n")
             sys.stderr.flush()
 
     def close(self) -> None:

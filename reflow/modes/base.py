@@ -92,6 +92,8 @@ class ModeBase:
         self.stopped_by: str | None = None
         """Why the loop ended before training.steps: "time budget", a signal's name, or a non-finite error."""
         self.diverged: str | None = None
+        self.resumed_extra: dict | None = None
+        """The extra state of the checkpoint this run resumed from (None for a new run)."""
 
     # ---- data ---------------------------------------------------------------
 
@@ -117,6 +119,7 @@ class ModeBase:
         extra = parts.checkpoints.maybe_load(parts.trainer)
         if extra is None:
             return
+        self.resumed_extra = extra
         self.step = int(extra["step"])
         self.version = int(extra["policy_version"])
         self._skip_prompts(int(extra.get("prompts_drawn", 0)))
@@ -129,9 +132,15 @@ class ModeBase:
         self.resume()
         return self.train_loop()
 
-    def prompts_drawn(self) -> int:
-        """How far the run has read the prompt stream (stored in checkpoints)."""
-        return self._drawn
+    def checkpoint_state(self) -> tuple[dict, dict[str, object]]:
+        """What a checkpoint holds beside the trainer's state (every trainer rank calls, at a step's end): the
+        extra state every rank gets back at resume (step, policy version, how far the prompt stream was read,
+        trainer replicas), and this rank's own files (``CheckpointManager.save(files=...)``)."""
+        extra = {
+            "step": self.step, "policy_version": self.version, "prompts_drawn": self._drawn,
+            "trainer_replicas": self.parts.trainer.layout.replicas,
+        }
+        return extra, {}
 
     @property
     def trainer_group(self):
@@ -170,11 +179,8 @@ class ModeBase:
             if self.step % cfg.metrics.log_freq == 0 or last:
                 parts.logger.log(self.step, row)
             if parts.checkpoints.should_save(self.step, last) and self.diverged is None:
-                extra = {
-                    "step": self.step, "policy_version": self.version, "prompts_drawn": self.prompts_drawn(),
-                    "trainer_replicas": parts.trainer.layout.replicas,
-                }
-                path = parts.checkpoints.save(self.step, parts.trainer, extra)
+                extra, files = self.checkpoint_state()
+                path = parts.checkpoints.save(self.step, parts.trainer, extra, files)
                 parts.logger.info(f"checkpoint saved: {path}")
             if last:
                 self.finished = True

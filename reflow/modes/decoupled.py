@@ -101,6 +101,16 @@ collectives that every rank enters in the same order. Every group sent before th
 it was addressed to before that shard moves; a group admitted after it is addressed within the new
 placement. reflow's dispatch rule (B_max per step) needs nothing carried over: the new budgets start at the
 step of the change, and each shard's retired counts restart with them.
+
+Checkpoints and resume (``checkpoint_state``, ``_restore``). A checkpoint, taken by the trainer ranks at the end
+of a step, holds each shard's buffer and the prompt stream's position: the frontier (one past the furthest draw
+any shard received) and the holes below it (draws admitted but not received: in flight at the checkpoint).
+Nothing in flight is saved. A resumed run deals the holes to the rollout ranks first, then continues from the
+frontier, so every prompt is generated once and no sample is trained fresh twice; the budgets start at the
+resumed step, as after a placement change, and restored samples retire against no budget (origin -1), so the
+window and B_max arguments above hold from the resumed step as from a new run's first (restored unused
+samples are extra supply, outside every window). one_step_off alone restores no unused sample: its induction
+starts from the resumed version, so their prompts are holes instead.
 """
 
 from __future__ import annotations
@@ -163,9 +173,14 @@ class DecoupledMode(ModeBase):
         self.ledger: dict = {
             "received": [], "consumed": [], "steps": [], "evicted_unused": [], "evicted_replayable": 0,
             "handed_over_unused": [], "handed_in_unused": [], "left_unused": [], "transitions": [],
-            "started": [], "sent": [], "dropped_at_stop": [],
+            "started": [], "sent": [], "dropped_at_stop": [], "restored": [],
         }
         self.shares: list | None = None  # the rollout ranks' prompt shares, made once the resume point is known
+        # the prompt stream's position for checkpoints: every draw below the frontier was delivered to a trainer
+        # shard, or is a hole (admitted, not delivered: in flight, or dropped at a stop), to generate again
+        self.prompt_frontier = 0
+        self.prompt_holes: list[int] = []
+        self.received_draws: set[int] = set()  # trainer ranks: draws delivered to this shard since the run started
         self.controller = self._placement_controller()
         self.window: list[dict] = []  # metrics rows since the controller's last decision
         self.change_to: int | None = None
@@ -260,10 +275,12 @@ class DecoupledMode(ModeBase):
                 self.buffer.add(samples)
                 if body["type"] == "group":
                     self.ledger["received"].extend(s.uid for s in samples)
+                    self.received_draws.update(s.draw for s in samples)
                     self.received_in_window += len(samples)
                     self.received_tokens_in_window += sum(len(s.output_ids) for s in samples)
                 else:  # a leaving shard's buffer: only its unused samples still await their fate
                     self.ledger["handed_in_unused"].extend(s.uid for s in samples if s.use_count == 0)
+                    self.received_draws.update(body["draws"])  # what it had delivered, for the checkpoints
             elif body["type"] == "stats":  # the sender's engine time, idle time and admission gate since its last report
                 window = self.rollout_stats.setdefault(message.src, {key: 0 for key in _SUMMED_ROLLOUT_STATS} | {"kv_usage_sum": 0.0})
                 for key in _SUMMED_ROLLOUT_STATS:
@@ -449,9 +466,10 @@ class DecoupledMode(ModeBase):
 
     def run(self) -> list[dict]:
         self.resume()
+        self._restore()
         self.steps_done = self.step
         self.dispatcher = self._new_dispatcher()  # its budgets start at the step the run resumed at
-        self.shares = initial_shares(len(self.rollout_ranks), self._drawn)
+        self.shares = initial_shares(len(self.rollout_ranks), self._drawn, self.prompt_holes)
         if self.is_trainer:
             self.buffer.start_version = self.version  # the engines start (or resume) on this version
         if self.resumed_replicas not in (None, self.placement.replicate_degree):
@@ -538,7 +556,8 @@ class DecoupledMode(ModeBase):
         if self.is_trainer and not new.is_trainer(self.rank):
             samples = self.buffer.drain()
             heir = new.trainer_ranks[self.shard_index % new.num_trainer_ranks]
-            self.outbox.put(heir, {"type": "handover", "samples": samples})
+            self.outbox.put(heir, {"type": "handover", "samples": samples, "draws": self.received_draws})
+            self.received_draws = set()  # the heir answers for them now
             self.ledger["handed_over_unused"].extend(s.uid for s in samples if s.use_count == 0)
             self.buffer = None
         # 4. the trainer's clock (a rank that generated did not count steps), the prompt shares as the rollout
@@ -583,11 +602,65 @@ class DecoupledMode(ModeBase):
         self.control.close()
         self._write_ledger()
 
-    def prompts_drawn(self) -> int:
-        """The furthest prompt any trainer shard has consumed (rollout ranks resume after it)."""
-        drawn = torch.tensor([self._drawn], dtype=torch.long)
-        dist.all_reduce(drawn, op=dist.ReduceOp.MAX, group=self.trainer_group)
-        return int(drawn.item())
+    def checkpoint_state(self) -> tuple[dict, dict[str, object]]:
+        """Beside the trainer's state: each shard's replay buffer (samples with their use counts, versions and
+        advantages, and the sampler's random state), and on rank 0 the prompt stream's position: the frontier
+        (one past the furthest draw delivered to any shard) and the holes below it (draws admitted but not
+        delivered: generated again after a resume, so no prompt is lost or trained twice). Samples in flight
+        are not saved; their prompts are holes. One all-gather of the draws delivered over the trainer group."""
+        extra, files = super().checkpoint_state()
+        # one_step_off trains exactly the batch of the previous version, counted from the version the run
+        # (re)started at (its no-deadlock induction): it saves no unused sample, their prompts become holes
+        # (a group's samples stay together there: whole groups per shard and per batch)
+        regenerate = self.settings.min_staleness > 0
+        unused = [] if regenerate else self.buffer.unused
+        mine = self.received_draws - {sample.draw for sample in self.buffer.unused} if regenerate else self.received_draws
+        gathered: list = [None] * dist.get_world_size(self.trainer_group)
+        dist.all_gather_object(gathered, mine, group=self.trainer_group)
+        delivered = set().union(*gathered)
+        frontier = max([self.prompt_frontier - 1, *delivered]) + 1
+        candidates = set(self.prompt_holes) | set(range(self.prompt_frontier, frontier))
+        holes = sorted(candidates - delivered)
+        extra["prompts_drawn"] = frontier
+        files[f"replay-shard{self.shard_index}"] = {
+            "unused": unused, "replayable": self.buffer.replayable, "rng": self.buffer.rng.getstate(),
+        }
+        if self.rank == 0:
+            files["prompt-stream"] = {"frontier": frontier, "holes": holes}
+        return extra, files
+
+    def _restore(self) -> None:
+        """After ``resume``: the prompt stream's position, and each trainer shard's share of the saved buffers
+        (saved shard k goes to shard k mod A: the same shard when the placement is the saved one). Restored
+        samples belong to no rollout rank's budget (origin -1): the budgets restart at the resumed step."""
+        checkpoints = self.parts.checkpoints
+        stream = checkpoints.read_files("prompt-stream").get("prompt-stream")
+        if stream is None:  # a checkpoint without it (sync mode's): the furthest prompt drawn
+            return
+        self.prompt_frontier, self.prompt_holes = stream["frontier"], list(stream["holes"])
+        self._drawn = self.prompt_frontier
+        restored = 0
+        if self.is_trainer:
+            saved = checkpoints.read_files("replay-shard")
+            for name, state in saved.items():
+                if int(name.removeprefix("replay-shard")) % len(self.trainer_ranks) != self.shard_index:
+                    continue
+                samples = state["unused"] + state["replayable"]
+                for sample in samples:
+                    sample.origin = -1
+                self.buffer.add(samples)
+                restored += len(samples)
+                if int(name.removeprefix("replay-shard")) == self.shard_index:
+                    self.buffer.rng.setstate(state["rng"])
+                self.ledger["restored"].extend(
+                    {"uid": x.uid, "use_count": x.use_count, "versions": x.versions, "advantage": x.advantage} for x in samples
+                )
+        count = torch.tensor([restored], dtype=torch.long)
+        dist.all_reduce(count)
+        self.parts.logger.info(
+            f"restored {int(count.item())} replay-buffer samples; {len(self.prompt_holes)} prompts admitted but not "
+            f"delivered at the checkpoint are generated again; the stream continues at draw {self.prompt_frontier}"
+        )
 
     def _write_ledger(self) -> None:
         path = os.path.join(self.parts.cfg.job.dump_folder, "ledger", f"rank{self.rank}.json")

@@ -55,9 +55,13 @@ class PromptShare:
         return draw
 
 
-def initial_shares(count: int, first_draw: int = 0) -> list[PromptShare]:
-    """R shares of a stream that starts (or resumes) at ``first_draw``."""
-    return [PromptShare(start=first_draw + i, stride=count) for i in range(count)]
+def initial_shares(count: int, first_draw: int = 0, holes: list[int] = ()) -> list[PromptShare]:
+    """R shares of a stream that starts (or resumes) at ``first_draw``; a resumed one first deals the ``holes``
+    below it (draws admitted but never delivered before the checkpoint) round robin."""
+    shares = [PromptShare(start=first_draw + i, stride=count) for i in range(count)]
+    for k, draw in enumerate(sorted(holes)):
+        shares[k % count].pending.append(draw)
+    return shares
 
 
 def reassign(shares: list[PromptShare], new_count: int) -> list[PromptShare]:

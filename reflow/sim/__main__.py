@@ -129,7 +129,7 @@ def cmd_validate(args) -> int:
 
 
 def _validate_png(path: str, detail: dict) -> None:
-    from reflow.sim.plot import bars, new_canvas
+    from reflow.metrics.plot import bars, new_canvas
 
     image, draw = new_canvas(900, 320)
     top = max(max(r["measured"]["tokens_per_s"], r["simulated"]["tokens_per_s"]) for r in detail.values()) * 1.1
@@ -191,7 +191,7 @@ def cmd_compare(args) -> int:
 
 
 def _compare_png(path: str, scales: dict) -> None:
-    from reflow.sim.plot import bars, new_canvas, steps_line
+    from reflow.metrics.plot import bars, new_canvas, steps_line
 
     modes = ("sync", "one_step_off", "async", "reflow_static_best", "reflow_adaptive")
     image, draw = new_canvas(1000, 330 * len(scales))

@@ -36,7 +36,8 @@ def _run(tmp_path, nproc, mode, rollout_ranks, extra=()):
 def assert_no_sample_lost_or_duplicated(rows, ledgers):
     """Every request a rank started was sent, or was unfinished at the stop; every group sent reaches the shard
     fixed at its admission, once; a shard that leaves the trainer pool hands each unused sample to one staying
-    shard; and every sample sent is trained fresh exactly once, evicted unused, or still unused at the end.
+    shard; and every sample sent (or restored unused from a checkpoint) is trained fresh exactly once, evicted
+    unused, or still unused at the end.
     The metrics count exactly the samples consumed. (Every rank's ledger covers all the roles it had.)"""
     for led in ledgers:
         accounted = [e["uid"] for e in led["sent"]] + led["dropped_at_stop"]
@@ -53,7 +54,9 @@ def assert_no_sample_lost_or_duplicated(rows, ledgers):
     consumed = [c["uid"] for led in ledgers for c in led["consumed"]]
     assert len(consumed) == len(set(consumed))  # a sample is fresh once, on one shard
     fate = consumed + [u for led in ledgers for u in led["evicted_unused"] + led["left_unused"]]
-    assert collections.Counter(fate) == collections.Counter(sent)
+    # a resumed run also owes a fate to the unused samples its checkpoint's buffers held
+    restored_unused = [r["uid"] for led in ledgers for r in led.get("restored", []) if r["use_count"] == 0]
+    assert collections.Counter(fate) == collections.Counter(sent + restored_unused)
     assert sum(r["fresh_samples"] for r in rows) == len(consumed)
 
 

@@ -2,6 +2,7 @@
 parameters, bitwise on CPU, as the run that never stopped (sampling is a function of each request's seed and
 prefix, not of the engine's history: ``reflow.rollout.engine``)."""
 
+import glob
 import json
 import os
 
@@ -37,3 +38,40 @@ def test_sync_six_steps_straight_equal_three_resume_three(tmp_path):
     assert final_a.keys() == final_b.keys()
     different = [name for name in final_a if not torch.equal(final_a[name], final_b[name])]
     assert not different, different[:5]
+
+
+def _ledgers(dump: str) -> dict[int, dict]:
+    return {led["rank"]: led for led in (json.load(open(p)) for p in glob.glob(os.path.join(dump, "ledger", "rank*.json")))}
+
+
+def test_reflow_resume_restores_the_buffer_and_trains_no_sample_twice(tmp_path):
+    dump = str(tmp_path / "reflow")
+    common = [
+        "--training.mode=reflow", "--placement.num_rollout_ranks=1", "--replay.sigma=0.5", "--replay.delta=2",
+        "--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_last=0", "--checkpoint.export_hf=false",
+    ]
+    _train(dump, 4, *common)
+    first = _ledgers(dump)
+    saved = torch.load(os.path.join(dump, "checkpoint", "step-4", "replay-shard0.pt"), weights_only=False)
+    stream = torch.load(os.path.join(dump, "checkpoint", "step-4", "prompt-stream.pt"), weights_only=False)
+    _train(dump, 8, *common)
+    second = _ledgers(dump)
+    # the buffer after the restore is the buffer that was saved: every sample, its use count, versions, advantage
+    restored = second[0]["restored"]
+    assert restored == [
+        {"uid": x.uid, "use_count": x.use_count, "versions": x.versions, "advantage": x.advantage}
+        for x in saved["unused"] + saved["replayable"]
+    ]
+    assert restored, "the test needs a non-empty buffer at the checkpoint"
+    # no sample trained fresh twice across the restart
+    consumed = [c["uid"] for run in (first, second) for c in run[0]["consumed"]]
+    assert len(consumed) == len(set(consumed))
+    # what the first run delivered before the checkpoint is not generated again: the second run's rollout rank
+    # starts only holes and draws past the frontier
+    draw = lambda uid: int(uid.split("#")[1].split("/")[0])  # noqa: E731
+    started_again = {draw(uid) for uid in second[1]["started"]}
+    assert all(d >= stream["frontier"] or d in stream["holes"] for d in started_again)
+    assert set(stream["holes"]) <= started_again  # every hole is generated again
+    # and the prompt stream lost nothing: every draw below the frontier was delivered in the first run or is a hole
+    delivered_first = {draw(uid) for uid in first[0]["received"]}
+    assert set(range(stream["frontier"])) <= delivered_first | set(stream["holes"])

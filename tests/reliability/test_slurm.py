@@ -1,0 +1,163 @@
+"""The Slurm launch as shipped: ``python -m reflow.slurm`` renders a batch script whose nodes and tasks follow the
+config, and a real Slurm (Debian's slurm-wlm and munge, a one-node cluster started here) runs it: the tiny
+workload as a 2-task job, two torchrun agents joined by torchrun's c10d rendezvous, trains and exports.
+
+The daemons are installed when absent and apt is usable (as root, as in CI), started with a configuration in a
+temporary folder, and stopped by their PIDs at the end. Skipped, with the reason, where that cannot be done."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from reflow.slurm import job_shape
+from tests.conftest import ROOT
+
+
+def test_job_shape_follows_the_placement():
+    assert job_shape(8, 8, 8, 1).__dict__ == dict(world_size=8, nodes=1, tasks_per_node=1, ranks_per_task=8, gpus_per_node=8)
+    shape = job_shape(32, 8, 8, 1)  # the 32B recipe's placement
+    assert (shape.nodes, shape.agents, shape.ranks_per_task) == (4, 4, 8)
+    with pytest.raises(ValueError, match="do not split into torchrun agents of 8 ranks"):
+        job_shape(12, 8, 8, 1)
+    shape = job_shape(2, 0, 2, 2)  # the test's CPU job: one node, two agents of one rank
+    assert (shape.nodes, shape.tasks_per_node, shape.agents, shape.ranks_per_task) == (1, 2, 2, 1)
+
+
+def test_the_shipped_configs_render(tmp_path):
+    for config, nodes in (("qwen3_8b", 1), ("qwen3_32b", 2)):
+        out = tmp_path / f"{config}.sbatch"
+        run = subprocess.run(
+            [sys.executable, "-m", "reflow.slurm", "--config", f"train_configs/{config}.toml", "--out", str(out)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert run.returncode == 0, run.stderr
+        text = out.read_text()
+        assert f"#SBATCH --nodes={nodes}" in text and f"--nnodes {nodes} --nproc-per-node 8" in text
+        assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in text and "--check" in text
+    run = subprocess.run(
+        [sys.executable, "-m", "reflow.slurm", "--config", "train_configs/tiny.toml"], cwd=ROOT, capture_output=True,
+        text=True, timeout=120,
+    )
+    assert run.returncode == 2 and "pass --world-size" in run.stderr
+
+
+# ---------------------------------------------------------------- a real one-node Slurm
+
+
+def _installed() -> str | None:
+    """None when slurmctld, slurmd, sbatch and munged are there (installing them if needed), else why not."""
+    tools = ("slurmctld", "slurmd", "sbatch", "munged")
+    if all(shutil.which(t) or os.path.exists(f"/usr/sbin/{t}") for t in tools):
+        return None
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return "slurm-wlm and munge are not installed, and apt-get as root is not available to install them"
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    run = subprocess.run(
+        ["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"], env=env, capture_output=True,
+        text=True, timeout=900,
+    )
+    if run.returncode != 0:
+        update = subprocess.run(["apt-get", "update"], env=env, capture_output=True, text=True, timeout=600)
+        run = subprocess.run(
+            ["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"], env=env, capture_output=True,
+            text=True, timeout=900,
+        )
+        if run.returncode != 0:
+            return f"apt-get install slurm-wlm munge failed: {(update.stderr + run.stderr)[-500:]}"
+    return None
+
+
+def _pid(path: str) -> int | None:
+    try:
+        return int(open(path).read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    reason = _installed()
+    if reason:
+        print(f"skipping the real-Slurm test: {reason}")
+        pytest.skip(reason)
+    host = socket.gethostname().split(".")[0]
+    started: list[int] = []
+    key = "/etc/munge/munge.key"
+    if not os.path.exists(key):
+        with open(key, "wb") as f:
+            f.write(os.urandom(1024))
+        shutil.chown(key, "munge", "munge")
+        os.chmod(key, 0o400)
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        os.makedirs("/run/munge", exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True, timeout=30)
+        started += [int(p) for p in subprocess.run(["pgrep", "-x", "munged"], capture_output=True, text=True).stdout.split()]
+    state = tmp_path / "slurm"
+    for sub in ("state", "spool", "log"):
+        (state / sub).mkdir(parents=True)
+    conf = state / "slurm.conf"
+    conf.write_text(
+        f"ClusterName=reflowtest\nSlurmctldHost={host}\nAuthType=auth/munge\nProctrackType=proctrack/linuxproc\n"
+        f"TaskPlugin=task/none\nSelectType=select/cons_tres\nSelectTypeParameters=CR_Core\nSlurmUser=root\n"
+        f"StateSaveLocation={state / 'state'}\nSlurmdSpoolDir={state / 'spool'}\n"
+        f"SlurmctldPidFile={state / 'slurmctld.pid'}\nSlurmdPidFile={state / 'slurmd.pid'}\n"
+        f"SlurmctldLogFile={state / 'log' / 'slurmctld.log'}\nSlurmdLogFile={state / 'log' / 'slurmd.log'}\n"
+        f"ReturnToService=2\nMpiDefault=none\n"
+        f"NodeName={host} CPUs={os.cpu_count()} RealMemory=4000 State=UNKNOWN\n"
+        f"PartitionName=main Nodes={host} Default=YES MaxTime=INFINITE State=UP\n"
+    )
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    subprocess.run(["/usr/sbin/slurmctld", "-f", str(conf)], env=env, check=True, timeout=60)
+    subprocess.run(["/usr/sbin/slurmd", "-f", str(conf)], env=env, check=True, timeout=60)
+    deadline = time.time() + 90
+    try:
+        while True:
+            for pidfile in ("slurmctld.pid", "slurmd.pid"):
+                pid = _pid(str(state / pidfile))
+                if pid and pid not in started:
+                    started.append(pid)
+            states = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout.split()
+            if states and all(s == "idle" for s in states):
+                break
+            assert time.time() < deadline, f"the node never became idle: {states}; {(state / 'log' / 'slurmd.log').read_text()[-2000:]}"
+            time.sleep(1)
+        yield env
+    finally:
+        for pid in reversed(started):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def test_the_rendered_job_trains_on_a_real_slurm(tmp_path, slurm):
+    dump = tmp_path / "run"
+    out = tmp_path / "tiny.sbatch"
+    render = subprocess.run(
+        [
+            sys.executable, "-m", "reflow.slurm", "--config", "train_configs/tiny.toml", "--world-size", "2",
+            "--gpus-per-node", "0", "--tasks-per-node", "2", "--cpus-per-task", "1", "--out", str(out),
+            f"--job.dump_folder={dump}", "--training.steps=2", "--training.prompts_per_step=4", "--training.group_size=4",
+            "--rollout.max_new_tokens=16", "--metrics.enable_progress_bar=false",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert render.returncode == 0, render.stderr
+    assert os.path.isdir(dump / "slurm")  # Slurm opens the log there before the script runs
+    job = subprocess.run(["sbatch", "--wait", str(out)], cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=900)
+    logs = [p for p in (dump / "slurm").iterdir() if p.suffix == ".out"]
+    log = logs[0].read_text() if logs else ""
+    assert job.returncode == 0, job.stdout + job.stderr + log[-4000:]
+    assert "trained 2 steps" in log
+    rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert (dump / "hf_final" / "model.safetensors").exists()
+    assert "world 2" in log  # two agents, one rank each, joined one world through the c10d rendezvous
