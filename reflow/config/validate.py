@@ -76,7 +76,15 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
             "use 1.0 or set training.is_truncation = 0",
         )
     if t.mode != "sync" and cfg.metrics.eval_interval > 0:
-        fail("metrics.eval_interval", "is only supported in 'sync' mode so far (decoupled trainer ranks do not generate)")
+        from reflow.modes.settings import resolve_settings
+
+        interval = resolve_settings(cfg).interval
+        if cfg.metrics.eval_interval % interval:
+            fail(
+                "metrics.eval_interval",
+                f"= {cfg.metrics.eval_interval} must be a multiple of the weight-sync interval ({interval}): in "
+                f"'{t.mode}' mode the rollout ranks evaluate a policy version right after its weight sync",
+            )
     if cfg.checkpoint.load_step >= 0 and not cfg.checkpoint.enable:
         fail("checkpoint.load_step", f"= {cfg.checkpoint.load_step} needs checkpoint.enable = true")
     if t.activation_checkpointing not in ("none", "full"):

@@ -13,7 +13,7 @@ from reflow.checkpoint import CheckpointManager
 from reflow.config.job_config import JobConfig
 from reflow.distributed.placement import Placement
 from reflow.metrics.logger import MetricsLogger
-from reflow.modes.rollouts import PromptTokenizer, Sample, make_group_requests, score
+from reflow.modes.rollouts import PromptTokenizer, Sample, evaluate_share
 from reflow.rollout.engine import RolloutEngine
 from reflow.stopping import NonFiniteGuard, StopSignals
 from reflow.tasks.base import Problem, Task, iterate_epochs
@@ -75,6 +75,9 @@ class ModeBase:
     name = "base"
     max_staleness = 0
     """Largest staleness a trained sample can have in this mode (the length of ``staleness_counts`` - 1)."""
+    evaluates_in_loop = True
+    """The train loop evaluates every metrics.eval_interval steps (every rank generates); the decoupled modes'
+    rollout ranks evaluate at weight syncs instead, off the trainer's path."""
 
     def __init__(self, parts: Components):
         self.parts = parts
@@ -168,7 +171,7 @@ class ModeBase:
             self.step += 1
             row = self.train_one_step(self.step)
             row["mode"] = self.name
-            if cfg.metrics.eval_interval and self.step % cfg.metrics.eval_interval == 0:
+            if cfg.metrics.eval_interval and self.step % cfg.metrics.eval_interval == 0 and self.evaluates_in_loop:
                 row["eval_reward"] = self.evaluate(cfg.metrics.eval_num_prompts)
             history.append(row)
             self.diverged = self.nonfinite.observe(self.step, row.get("skipped_updates", 0))
@@ -287,16 +290,10 @@ class ModeBase:
     # ---- evaluation ----------------------------------------------------------------
 
     def evaluate(self, num_prompts: int) -> float:
-        """Mean reward of one sample per held-out prompt, at the rollout temperature."""
+        """Mean reward of one sample per held-out prompt, at the rollout temperature (every rank generates a share)."""
         parts = self.parts
-        problems = parts.eval_problems[:num_prompts][parts.rank :: parts.world_size] if parts.placement.is_rollout(parts.rank) else []
-        reqs = []
-        for p in problems:
-            reqs.extend(
-                make_group_requests(p, -1, parts.task, parts.tokenizer, 1, parts.cfg.rollout.max_new_tokens, parts.cfg.job.seed, -1)
-            )
-        done = parts.engine.generate(reqs) if reqs else []
-        samples = score(done, parts.task, parts.tokenizer)
-        vec = torch.tensor([sum(s.reward for s in samples), len(samples)], dtype=torch.float64)
+        total, count = evaluate_share(parts, num_prompts, parts.rank, parts.world_size)
+        vec = torch.tensor([total, count], dtype=torch.float64)
         dist.all_reduce(vec)
         return vec[0].item() / max(vec[1].item(), 1.0)
+

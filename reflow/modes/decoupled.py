@@ -151,6 +151,8 @@ class DecoupledMode(ModeBase):
         self.name = cfg.training.mode
         self.settings = resolve_settings(cfg)
         self.max_staleness = self.settings.delta
+        self.evaluates_in_loop = False  # the rollout ranks evaluate at weight syncs (``RolloutWorker._evaluate``)
+        self.pending_evals: dict[int, dict] = {}  # rank 0: held-out evaluations by policy version, as reports arrive
         self.rank = parts.rank
         self.stream = PromptStream(parts.train_problems, cfg.job.seed, cfg.task.shuffle)
         # planes: created by every rank at the same point (new_group is collective). Any rank may train or
@@ -294,6 +296,12 @@ class DecoupledMode(ModeBase):
                         WorkerLoad(load["predicted_tokens"], load["kv_budget_tokens"], load["in_flight"], load["cap"]),
                         load["group_estimate"], body["started"],
                     ))
+            elif body["type"] == "eval":  # a rollout rank's share of the held-out evaluation of one version
+                pending = self.pending_evals.get(body["version"])
+                if pending is not None:
+                    pending["reward_sum"] += body["reward_sum"]
+                    pending["count"] += body["count"]
+                    pending["reports"] += 1
             elif body["type"] == "flush":
                 self.flushed.add(message.src)
 
@@ -351,6 +359,9 @@ class DecoupledMode(ModeBase):
         parts = self.parts
         if self.rank == self.control.leader:
             self.control.broadcast(SyncWeights(self.version), self.rollout_ranks)
+            eval_interval = parts.cfg.metrics.eval_interval
+            if eval_interval and self.version % eval_interval == 0:  # the rollout ranks evaluate this version
+                self.pending_evals[self.version] = {"expected": len(self.rollout_ranks), "reward_sum": 0.0, "count": 0, "reports": 0}
         self._evict_stale()
         self.weight_sync.sync(parts.trainer, parts.engine, self.version)
 
@@ -414,7 +425,19 @@ class DecoupledMode(ModeBase):
         if self.dispatcher is not None:
             row["dispatched_groups"] = self.dealt_groups
             self.dealt_groups = {}
+        row.update(self._finished_eval())
         return row
+
+    def _finished_eval(self) -> dict:
+        """Rank 0: the newest evaluation every rollout rank has reported since the previous step, as
+        ``eval_reward`` with the ``eval_policy_version`` it measured (older finished ones are superseded)."""
+        done = [v for v, p in self.pending_evals.items() if p["reports"] >= p["expected"]]
+        if not done:
+            return {}
+        latest = self.pending_evals[max(done)]
+        for version in [v for v in self.pending_evals if v <= max(done)]:
+            del self.pending_evals[version]
+        return {"eval_reward": latest["reward_sum"] / max(latest["count"], 1), "eval_policy_version": max(done)}
 
     def _rollout_window(self) -> dict:
         """The rollout ranks' reports since the previous step, as metrics (rank 0 receives the reports; zeros
@@ -459,7 +482,7 @@ class DecoupledMode(ModeBase):
         )
         return RolloutWorker(
             parts, self.weight_sync, self.control, self.outbox, budget, self.stream, self.shares[index], index,
-            self.trainer_ranks,
+            self.trainer_ranks, len(self.rollout_ranks),
         )
 
     # ================================================================ both

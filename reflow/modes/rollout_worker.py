@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from reflow.dataplane import ControlChannel, Outbox
 from reflow.modes.commands import Progress, Stop, SyncWeights, Transition
-from reflow.modes.rollouts import PromptTokenizer, Sample, assign_advantages, make_group_requests, score
+from reflow.modes.rollouts import PromptTokenizer, Sample, assign_advantages, evaluate_share, make_group_requests, score
 from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.engine import Request, RolloutEngine
 from reflow.scheduler import DispatchBudget
@@ -39,6 +39,7 @@ from reflow.tasks.base import Task
 
 if TYPE_CHECKING:
     from reflow.modes.base import Components
+
 
 
 class GroupAssembler:
@@ -90,9 +91,12 @@ class RolloutWorker:
         share: PromptShare,
         rollout_index: int,
         trainer_ranks: list[int],
+        num_rollout: int,
     ):
         cfg = parts.cfg
         self.cfg = cfg
+        self.parts = parts
+        self.rollout_index, self.num_rollout = rollout_index, num_rollout
         self.engine: RolloutEngine = parts.engine
         self.weight_sync = weight_sync
         self.task, self.tokenizer = parts.task, parts.tokenizer
@@ -166,9 +170,23 @@ class RolloutWorker:
         held = self.engine.hold_all()
         self.busy_idle.busy_s += time.perf_counter() - t0
         self.weight_sync.sync(None, self.engine, version)
+        self._evaluate(version)
         for req in held:  # partial rollouts continue from their prefix; each token keeps its version
             self.engine.add(req)
         self._report()
+
+    def _evaluate(self, version: int) -> None:
+        """metrics.eval_interval: after a weight sync to a version it divides, this rank's share of the held-out
+        prompts, one sample each at the rollout temperature, with the engine holding nothing else (the partial
+        rollouts wait until it is done): a measure of exactly policy ``version``. The trainer does not wait
+        for it; trainer rank 0 logs the mean once every rollout rank's share has arrived."""
+        metrics = self.cfg.metrics
+        if not metrics.eval_interval or version % metrics.eval_interval:
+            return
+        t0 = time.perf_counter()
+        total, count = evaluate_share(self.parts, metrics.eval_num_prompts, self.rollout_index, self.num_rollout)
+        self.busy_idle.busy_s += time.perf_counter() - t0
+        self.outbox.put(self.control.leader, {"type": "eval", "version": version, "reward_sum": total, "count": count})
 
     def _step(self) -> None:
         sequences = self.engine.num_active

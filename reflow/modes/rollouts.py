@@ -105,3 +105,16 @@ def to_batch(samples: list[Sample], pad_id: int, weights: list[float] | None = N
         [s.reward for s in samples],
         pad_id,
     )
+
+
+def evaluate_share(parts, num_prompts: int, index: int, count: int) -> tuple[float, int]:
+    """Share ``index`` of ``count`` of the first ``num_prompts`` held-out prompts, one sample each on this rank's
+    engine, run to completion: (sum of rewards, samples)."""
+    problems = parts.eval_problems[:num_prompts][index::count]
+    requests = []
+    for problem in problems:
+        requests.extend(make_group_requests(
+            problem, -1, parts.task, parts.tokenizer, 1, parts.cfg.rollout.max_new_tokens, parts.cfg.job.seed, -1,
+        ))
+    samples = score(parts.engine.generate(requests), parts.task, parts.tokenizer) if requests else []
+    return sum(s.reward for s in samples), len(samples)

@@ -5,6 +5,8 @@ import glob
 import json
 import os
 
+import pytest
+
 from tests.conftest import run_torchrun
 
 DECOUPLED_KEYS = {
@@ -157,3 +159,30 @@ def test_rollout_admits_a_grant_before_a_sync_queued_behind_it(tmp_path):
     report = json.loads(out.read_text())
     assert report["groups"] == 3 and report["started"] == 6
     assert report["birth_versions"] == [0, 0, 0], report  # the granted group started on version 0
+
+
+def test_decoupled_modes_evaluate_on_the_rollout_ranks_at_weight_syncs(tmp_path):
+    """async, 1 trainer + 2 rollout ranks, metrics.eval_interval = 2: after the weight syncs to versions 2, 4, ...
+    both rollout ranks score their half of the held-out prompts, and trainer rank 0 logs the mean with the
+    version it measured, without the trainer waiting for it."""
+    rows, _ = _run(
+        tmp_path, 3, "async", 2,
+        ["--training.steps=7", "--metrics.eval_interval=2", "--metrics.eval_num_prompts=16", "--replay.delta=2"],
+    )
+    evaluated = [r for r in rows if "eval_reward" in r]
+    assert evaluated, "no evaluation finished"
+    versions = [r["eval_policy_version"] for r in evaluated]
+    assert versions == sorted(set(versions)) and set(versions) <= {2, 4, 6}
+    for r in evaluated:
+        assert 0.0 <= r["eval_reward"] <= 1.0
+        assert r["policy_version"] >= r["eval_policy_version"]  # logged at a step after the sync it measured
+
+
+def test_eval_interval_must_follow_the_weight_syncs():
+    from reflow.config import ConfigError, ConfigManager
+    from reflow.config.validate import validate
+
+    manager = ConfigManager()
+    cfg = manager.parse_args(["--training.mode=async", "--weight_sync.interval=2", "--metrics.eval_interval=3"])
+    with pytest.raises(ConfigError, match="metrics.eval_interval.*multiple of the weight-sync interval"):
+        validate(cfg, manager.where)
