@@ -138,8 +138,7 @@ def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default")
     p = cfg.placement
     try:
         placement = build_placement(
-            world_size, p.trainer_replicate_degree, p.trainer_shard_degree, p.num_rollout_ranks,
-            source=where("placement.trainer_shard_degree"),
+            world_size, p.trainer_replicate_degree, p.trainer_shard_degree, p.num_rollout_ranks, where=where,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

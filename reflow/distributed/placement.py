@@ -10,6 +10,8 @@ generates (the ``sync`` mode).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from dataclasses import dataclass
 
 
@@ -57,30 +59,32 @@ class Placement:
         )
 
 
-def build_placement(world_size: int, replicate: int, shard: int, num_rollout: int, source: str = "placement") -> Placement:
-    """Validate a placement against the world size; errors name the keys."""
+def build_placement(
+    world_size: int, replicate: int, shard: int, num_rollout: int, where: Callable[[str], str] = lambda key: "placement"
+) -> Placement:
+    """Validate a placement against the world size; errors name the key and where it was set (``where(key)``)."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if num_rollout < 0 or num_rollout >= world_size:
         raise ValueError(
-            f"{source}: 'placement.num_rollout_ranks' = {num_rollout} must be in [0, world size {world_size}) "
+            f"{where('placement.num_rollout_ranks')}: 'placement.num_rollout_ranks' = {num_rollout} must be in [0, world size {world_size}) "
             "(at least one trainer rank is needed)"
         )
     if replicate < 1:
-        raise ValueError(f"{source}: 'placement.trainer_replicate_degree' must be >= 1, got {replicate}")
+        raise ValueError(f"{where('placement.trainer_replicate_degree')}: 'placement.trainer_replicate_degree' must be >= 1, got {replicate}")
     trainers = world_size - num_rollout
     if shard == -1:
         if trainers % replicate:
             raise ValueError(
-                f"{source}: {trainers} trainer ranks (world {world_size} - {num_rollout} rollout) are not divisible by "
+                f"{where('placement.trainer_replicate_degree')}: {trainers} trainer ranks (world {world_size} - {num_rollout} rollout) are not divisible by "
                 f"'placement.trainer_replicate_degree' = {replicate}"
             )
         shard = trainers // replicate
     if shard < 1:
-        raise ValueError(f"{source}: 'placement.trainer_shard_degree' must be >= 1 or -1, got {shard}")
+        raise ValueError(f"{where('placement.trainer_shard_degree')}: 'placement.trainer_shard_degree' must be >= 1 or -1, got {shard}")
     if replicate * shard + num_rollout != world_size:
         raise ValueError(
-            f"{source}: placement does not match the world size: trainer_replicate_degree {replicate} x "
+            f"{where('placement.trainer_shard_degree')}: placement does not match the world size: trainer_replicate_degree {replicate} x "
             f"trainer_shard_degree {shard} + num_rollout_ranks {num_rollout} = {replicate * shard + num_rollout}, "
             f"but torchrun started {world_size} ranks"
         )
