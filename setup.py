@@ -15,6 +15,7 @@ COMMON = [
     "transformers",  # tokenizers of HF checkpoints, the trainer benchmark's plain loop, the tiny assets
     "numpy",  # the simulator's profile fit
     "pillow",  # the benchmarks' and the simulator's PNGs
+    "math-verify==0.9.0",  # the math task's reward
 ]
 
 setup(

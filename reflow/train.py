@@ -111,7 +111,7 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
         check_hf_dir(resolve_hf_dir(cfg, recipe), f"{where('model.hf_checkpoint')}: model.hf_checkpoint")
     else:
         check_hf_dir(resolve_hf_dir(cfg, recipe), f"{recipe.path}: [recipe] hf_checkpoint")
-    build_task(cfg.task.name)
+    build_task(cfg.task.name, cfg.task.reward_timeout_s)
     train_problems = load_problems(resolve_path(cfg.task.train_file), f"{where('task.train_file')}: task.train_file")
     eval_problems = load_problems(resolve_path(cfg.task.eval_file), f"{where('task.eval_file')}: task.eval_file")
     CheckpointManager(cfg).check()
@@ -138,7 +138,7 @@ def build_components(
 
     # 1. the inputs ``check_inputs`` read
     hf_dir = resolve_hf_dir(cfg, recipe)
-    task = build_task(cfg.task.name)
+    task = build_task(cfg.task.name, cfg.task.reward_timeout_s)
     train_problems, eval_problems = problems
     # 2. distributed
     rank, world, device = init_distributed(cfg.job.collective_timeout_s)

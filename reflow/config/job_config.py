@@ -179,6 +179,8 @@ class Task:
     eval_file: str = "assets/data/chain_sum_eval.jsonl"
     """JSONL held-out prompts (the mean reward of one sample per prompt at the rollout temperature is logged
     every metrics.eval_interval steps)."""
+    reward_timeout_s: float = 5.0
+    """Longest one reward may take ('math': math-verify runs out of process and is killed past it, reward 0)."""
     shuffle: bool = True
     """Draw training prompts in a fresh seeded order each epoch; false: in the file's order (a curriculum, or a
     workload that drifts, such as assets/data/chain_sum_drift_train.jsonl)."""

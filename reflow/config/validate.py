@@ -51,6 +51,8 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
     ):
         if value < low:
             fail(key, f"must be >= {low}, got {value}")
+    if cfg.task.reward_timeout_s <= 0:
+        fail("task.reward_timeout_s", f"must be > 0, got {cfg.task.reward_timeout_s}")
     if t.lr <= 0:
         fail("training.lr", f"must be > 0, got {t.lr}")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
