@@ -76,7 +76,7 @@ outbox = CollectingOutbox()
 parts = SimpleNamespace(cfg=cfg, engine=engine, task=build_task("chain_sum"), tokenizer=PromptTokenizer(hf))
 budget = DispatchBudget(DispatchRule(window=4), 0, 1, 1, group_size=2)  # one_step_off's window of 2 batches
 stream = PromptStream(load_problems(resolve_path(cfg.task.train_file)), 0)
-worker = RolloutWorker(parts, SameWeights(), ScriptedControl(outbox), outbox, budget, stream, initial_shares(1)[0], 0, [0])
+worker = RolloutWorker(parts, SameWeights(), ScriptedControl(outbox), outbox, budget, stream, initial_shares(1)[0], 0, [0], 1)
 worker.run()
 report = {
     "groups": len(outbox.groups),
