@@ -1,8 +1,8 @@
 """The task (reward environment) interface.
 
-A task turns dataset rows into prompts and scores completions. Later tasks
-(math with a symbolic verifier, multi-turn tool environments) implement the
-same small protocol; the trainer never looks inside a row.
+A task turns dataset rows into prompts and scores completions (``chain_sum``;
+``math``, scored by math-verify). Every task implements the same small
+protocol; the trainer never looks inside a row.
 """
 
 from __future__ import annotations
