@@ -12,12 +12,16 @@ from safetensors.torch import load_file
 from tests.conftest import run_torchrun
 
 
-def _train(dump: str, steps: int, *extra: str) -> None:
-    run_torchrun(2, [
+def _args(dump: str, steps: int, *extra: str) -> list[str]:
+    return [
         "-m", "reflow.train", "--config", "train_configs/tiny.toml", f"--job.dump_folder={dump}",
         "--training.prompts_per_step=4", "--training.group_size=4", "--rollout.max_new_tokens=24",
         "--metrics.enable_progress_bar=false", f"--training.steps={steps}", *extra,
-    ])
+    ]
+
+
+def _train(dump: str, steps: int, *extra: str) -> None:
+    run_torchrun(2, _args(dump, steps, *extra))
 
 
 def _rows(dump: str) -> dict[int, dict]:
@@ -75,3 +79,27 @@ def test_reflow_resume_restores_the_buffer_and_trains_no_sample_twice(tmp_path):
     # and the prompt stream lost nothing: every draw below the frontier was delivered in the first run or is a hole
     delivered_first = {draw(uid) for uid in first[0]["received"]}
     assert set(range(stream["frontier"])) <= delivered_first | set(stream["holes"])
+
+
+def test_reflow_resumes_onto_another_world_size(tmp_path):
+    """Saved on 4 ranks (2 trainer replicas, 2 rollout ranks), resumed on 2: the saved placement does not fit
+    (the run says so and stays on T1x1+R1), DCP reshards the trainer onto one shard, and both saved shards'
+    samples are restored into it; nothing is trained fresh twice."""
+    dump = str(tmp_path / "reflow")
+    common = [
+        "--training.mode=reflow", "--replay.sigma=0.5", "--replay.delta=2", "--placement.trainer_shard_degree=1",
+        "--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.export_hf=false",
+    ]
+    run_torchrun(4, _args(dump, 3, *common, "--placement.num_rollout_ranks=2", "--placement.trainer_replicate_degree=2"))
+    folder = os.path.join(dump, "checkpoint", "step-3")
+    saved = [torch.load(os.path.join(folder, f"replay-shard{k}.pt"), weights_only=False) for k in (0, 1)]
+    first = [c["uid"] for led in _ledgers(dump).values() for c in led["consumed"]]
+    resumed = run_torchrun(2, _args(dump, 6, *common, "--placement.num_rollout_ranks=1"))
+    assert "saved with 2 trainer replicas, not feasible on this world; continuing on T1x1+R1" in resumed.stderr
+    rows = _rows(dump)
+    assert [rows[s]["placement"] for s in (4, 5, 6)] == ["T1x1+R1"] * 3
+    restored = _ledgers(dump)[0]["restored"]
+    assert sorted(r["uid"] for r in restored) == sorted(x.uid for state in saved for x in state["unused"] + state["replayable"])
+    assert restored
+    consumed = first + [c["uid"] for led in _ledgers(dump).values() for c in led["consumed"]]
+    assert len(consumed) == len(set(consumed))
