@@ -76,6 +76,25 @@ def share_groups(total_groups: int, num_rollout: int, num_shards: int) -> list[l
     return shares
 
 
+def limit_shares(limit: int, group_size: int, rollout_index: int, num_rollout: int, num_shards: int) -> list[int] | None:
+    """Rollout rank ``rollout_index``'s share of one limit per shard, in samples of whole groups (None: no
+    such limit); with one rollout rank, each shard's share of the whole limit."""
+    if not limit:
+        return None
+    return [g * group_size for g in share_groups(limit // group_size, num_rollout, num_shards)[rollout_index]]
+
+
+def rule_allowance(window_share: list[int] | None, step_share: list[int] | None, shard: int, retired: int, steps: int) -> int:
+    """Samples that may have started for ``shard`` under both limits: the window share past the ``retired``
+    samples, and the per-step share for each of ``steps`` steps (those done since the start, plus one)."""
+    limits = []
+    if window_share is not None:
+        limits.append(retired + window_share[shard])
+    if step_share is not None:
+        limits.append(step_share[shard] * steps)
+    return min(limits)
+
+
 class DispatchBudget:
     """One rollout rank's budget: may it start another group now, and for which trainer shard?
 
@@ -95,19 +114,13 @@ class DispatchBudget:
         self.group_size = group_size
         self.num_shards = num_shards
         self.start_step = start_step
-        self.window_share = self._share(rule.window, rollout_index, num_rollout)
-        self.step_share = self._share(rule.per_step, rollout_index, num_rollout)
+        self.window_share = limit_shares(rule.window, group_size, rollout_index, num_rollout, num_shards)
+        self.step_share = limit_shares(rule.per_step, group_size, rollout_index, num_rollout, num_shards)
         self.started = [0] * num_shards
         self.retired = [0] * num_shards
         self.steps_done = start_step
         self._next_shard = rollout_index % num_shards  # rollout ranks start on different shards
         self.granted: list[int] | None = [0] * num_shards if dealt else None
-
-    def _share(self, limit: int, rollout_index: int, num_rollout: int) -> list[int] | None:
-        if not limit:
-            return None
-        groups = share_groups(limit // self.group_size, num_rollout, self.num_shards)[rollout_index]
-        return [g * self.group_size for g in groups]
 
     def update(self, steps_done: int, retired: Sequence[int]) -> None:
         if len(retired) != self.num_shards:
@@ -119,12 +132,7 @@ class DispatchBudget:
         """Samples this rank may have started for ``shard`` by now: its grants when dealt, else its fixed share."""
         if self.granted is not None:
             return self.granted[shard]
-        limits = []
-        if self.window_share is not None:
-            limits.append(self.retired[shard] + self.window_share[shard])
-        if self.step_share is not None:
-            limits.append(self.step_share[shard] * (self.steps_done - self.start_step + 1))
-        return min(limits)
+        return rule_allowance(self.window_share, self.step_share, shard, self.retired[shard], self.steps_done - self.start_step + 1)
 
     def room(self, shard: int) -> int:
         return self.allowance(shard) - self.started[shard]
@@ -187,8 +195,8 @@ class GroupDispatcher:
             raise ValueError(f"rho must be in (0, 2], got {rho}")
         self.rule, self.group_size, self.rho, self.start_step = rule, group_size, rho, start_step
         self.num_rollout, self.num_shards = num_rollout, num_shards
-        per_shard = lambda limit: [g * group_size for g in share_groups(limit // group_size, 1, num_shards)[0]] if limit else None  # noqa: E731
-        self.window_share, self.step_share = per_shard(rule.window), per_shard(rule.per_step)
+        self.window_share = limit_shares(rule.window, group_size, 0, 1, num_shards)
+        self.step_share = limit_shares(rule.per_step, group_size, 0, 1, num_shards)
         self.granted = [[0] * num_shards for _ in range(num_rollout)]
         self.reports: list[WorkerReport | None] = [None] * num_rollout
         self._next_shard = 0
@@ -198,12 +206,7 @@ class GroupDispatcher:
 
     def allowance(self, shard: int, steps_done: int, retired: int) -> int:
         """Samples all workers together may have started for ``shard`` once ``retired`` of them are retired."""
-        limits = []
-        if self.window_share is not None:
-            limits.append(retired + self.window_share[shard])
-        if self.step_share is not None:
-            limits.append(self.step_share[shard] * (steps_done - self.start_step + 1))
-        return min(limits)
+        return rule_allowance(self.window_share, self.step_share, shard, retired, steps_done - self.start_step + 1)
 
     def _pending_groups(self, worker: int) -> int:
         report = self.reports[worker]
