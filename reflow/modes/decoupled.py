@@ -134,8 +134,7 @@ from reflow.modes.rollouts import Sample, to_batch
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.modes.settings import resolve_settings
 from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
-from reflow.scheduler.concurrency import WorkerLoad
-from reflow.scheduler.dispatch import GroupDispatcher, WorkerReport
+from reflow.scheduler.dispatch import GroupDispatcher
 
 
 _SUMMED_ROLLOUT_STATS = (
@@ -291,11 +290,7 @@ class DecoupledMode(ModeBase):
                 window["cap"] = body["cap"]
                 window.setdefault("cap_changes", []).extend(body["cap_changes"])
                 if self.dispatcher is not None and body["load"] is not None and message.src in self.rollout_ranks:
-                    load = body["load"]
-                    self.dispatcher.report(self.rollout_ranks.index(message.src), WorkerReport(
-                        WorkerLoad(load["predicted_tokens"], load["kv_budget_tokens"], load["in_flight"], load["cap"]),
-                        load["group_estimate"], body["started"],
-                    ))
+                    self.dispatcher.report(self.rollout_ranks.index(message.src), body["load"])
             elif body["type"] == "eval":  # a rollout rank's share of the held-out evaluation of one version
                 pending = self.pending_evals.get(body["version"])
                 if pending is not None:

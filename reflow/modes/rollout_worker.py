@@ -239,7 +239,7 @@ class RolloutWorker:
             self.control.leader,
             {
                 "type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s, **self.gate.report(),
-                "load": self.gate.load(), "started": sum(self.budget.started),
+                "load": self.gate.load(started=sum(self.budget.started)),
             },
         )
         self.busy_idle = BusyIdle()

@@ -19,6 +19,7 @@ import time
 
 from reflow.config.job_config import JobConfig
 from reflow.rollout.engine import RolloutEngine
+from reflow.scheduler.dispatch import WorkerReport
 from reflow.scheduler.concurrency import (
     AdmissionRule,
     CapDecision,
@@ -71,19 +72,16 @@ class AdmissionGate:
         self.window["gate_refusals" if refusal else "admitted_groups"] += 1
         return refusal is None
 
-    def load(self) -> dict | None:
-        """What the global dispatcher weighs (``reflow.scheduler.dispatch.WorkerReport``), or None without the KV
-        rule: predicted KV tokens of the groups in flight, the KV budget, sequences in flight, the cap, and the
-        next group's estimate (for the prompt length of the group last offered, the typical one)."""
-        kv_rule = self.rule.kv_rule
-        if kv_rule is None:
+    def load(self, started: int) -> WorkerReport | None:
+        """What the global dispatcher weighs (None without the KV rule), the next group's estimate for the prompt
+        length of the group last offered (the typical one); ``started``: samples the worker has started."""
+        if self.rule.kv_rule is None:
             return None
-        predicted = kv_rule.peak_tokens(self.groups_in_flight())
-        return {
-            "predicted_tokens": predicted, "kv_budget_tokens": self.engine.signals.kv_budget_tokens,
-            "in_flight": self.engine.num_active, "cap": self.cap,
-            "group_estimate": kv_rule.group_estimate(self.last_prompt_len, self.group_size),
-        }
+        load, estimate = self.rule.load(
+            self.engine.num_active, self.engine.signals.kv_budget_tokens, self.last_prompt_len, self.group_size,
+            self.groups_in_flight(),
+        )
+        return WorkerReport(load, estimate, started)
 
     def after_step(self, finished_lengths: list[int], sequences: int) -> None:
         """After every engine step over ``sequences`` sequences: learn the finished lengths, feed the controller

@@ -276,3 +276,12 @@ class AdmissionRule:
             if not self.kv_rule.admits(WorkerLoad(predicted, kv_budget_tokens, in_flight, self.cap), group_size):
                 return "kv"
         return None
+
+    def load(
+        self, in_flight: int, kv_budget_tokens: int, prompt_len: int, group_size: int,
+        groups_in_flight: list[tuple[int, list[int]]],
+    ) -> tuple[WorkerLoad, float]:
+        """What the global dispatcher weighs of this worker (the KV rule must be on): its load, with T_pred the
+        peak of the groups in flight, and the estimate T_hat of a next group with this prompt length."""
+        predicted = self.kv_rule.peak_tokens(groups_in_flight)
+        return WorkerLoad(predicted, kv_budget_tokens, in_flight, self.cap), self.kv_rule.group_estimate(prompt_len, group_size)

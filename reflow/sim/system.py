@@ -39,7 +39,6 @@ from reflow.scheduler.concurrency import (
     ConcurrencySettings,
     KVAdmission,
     ResponseLengths,
-    WorkerLoad,
     groups_in_flight,
 )
 from reflow.sim.engine import SimEngine, SimSequence
@@ -152,10 +151,11 @@ class _Rollout:
 
     def report(self) -> WorkerReport:
         """What the global dispatcher weighs, read exactly (a live worker reports it about once a second)."""
-        kv_rule, engine = self.rule.kv_rule, self.engine
-        predicted = kv_rule.peak_tokens(self.groups_in_flight())
-        load = WorkerLoad(predicted, engine.profile.kv_budget_tokens, engine.num_active, self.rule.cap)
-        return WorkerReport(load, kv_rule.group_estimate(self.prompt_tokens, self.group_size), sum(self.budget.started))
+        engine = self.engine
+        load, estimate = self.rule.load(
+            engine.num_active, engine.profile.kv_budget_tokens, self.prompt_tokens, self.group_size, self.groups_in_flight()
+        )
+        return WorkerReport(load, estimate, sum(self.budget.started))
 
     def observe(self, finished: list[SimSequence]) -> None:
         for seq in finished:
