@@ -55,10 +55,7 @@ class CheckpointManager:
             return
         steps = self.available_steps()
         if self.load_step >= 0 and self.load_step not in steps:
-            raise ValueError(
-                f"checkpoint.load_step = {self.load_step}: no complete checkpoint at {self._path(self.load_step)} "
-                f"(available: {steps or 'none'})"
-            )
+            raise self._missing_load_step(steps)
         step = self.load_step if self.load_step >= 0 else (steps[-1] if steps else -1)
         if step < 0:
             return
@@ -104,6 +101,12 @@ class CheckpointManager:
         for step in self.available_steps()[: -self.keep_last]:
             shutil.rmtree(self._path(step), ignore_errors=True)
 
+    def _missing_load_step(self, steps: list[int]) -> ValueError:
+        return ValueError(
+            f"checkpoint.load_step = {self.load_step}: no complete checkpoint at {self._path(self.load_step)} "
+            f"(available: {steps or 'none'})"
+        )
+
     def _choose_step(self) -> int:
         """Rank 0 decides which step to load (-1: none) and tells every rank, so all load the same one."""
         choice = [-1]
@@ -118,10 +121,7 @@ class CheckpointManager:
                 choice = [steps[-1]]
         dist.broadcast_object_list(choice, src=0)
         if choice[0] == -2:
-            raise ValueError(
-                f"checkpoint.load_step = {self.load_step}: no complete checkpoint at {self._path(self.load_step)} "
-                f"(available: {self.available_steps()})"
-            )
+            raise self._missing_load_step(self.available_steps())
         return choice[0]
 
     def read_files(self, prefix: str) -> dict[str, object]:

@@ -95,8 +95,6 @@ class ModeBase:
         self.stopped_by: str | None = None
         """Why the loop ended before training.steps: "time budget", a signal's name, or a non-finite error."""
         self.diverged: str | None = None
-        self.resumed_extra: dict | None = None
-        """The extra state of the checkpoint this run resumed from (None for a new run)."""
 
     # ---- data ---------------------------------------------------------------
 
@@ -122,7 +120,6 @@ class ModeBase:
         extra = parts.checkpoints.maybe_load(parts.trainer)
         if extra is None:
             return
-        self.resumed_extra = extra
         self.step = int(extra["step"])
         self.version = int(extra["policy_version"])
         self._skip_prompts(int(extra.get("prompts_drawn", 0)))
