@@ -1,0 +1,1 @@
+"""Environments a multi-turn task talks to while it generates: the code sandbox, tools, test runners."""
