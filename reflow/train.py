@@ -111,9 +111,17 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
         check_hf_dir(resolve_hf_dir(cfg, recipe), f"{where('model.hf_checkpoint')}: model.hf_checkpoint")
     else:
         check_hf_dir(resolve_hf_dir(cfg, recipe), f"{recipe.path}: [recipe] hf_checkpoint")
-    build_task(cfg.task.name, cfg.task.reward_timeout_s)
+    build_task(cfg.task)
     train_problems = load_problems(resolve_path(cfg.task.train_file), f"{where('task.train_file')}: task.train_file")
     eval_problems = load_problems(resolve_path(cfg.task.eval_file), f"{where('task.eval_file')}: task.eval_file")
+    chat_rows = next((p for p in train_problems + eval_problems if p.messages is not None), None)
+    if cfg.task.chat or chat_rows is not None:
+        from transformers import AutoTokenizer
+
+        hf_dir = resolve_hf_dir(cfg, recipe)
+        if not AutoTokenizer.from_pretrained(hf_dir).chat_template:
+            why = f"{where('task.chat')}: task.chat = true" if cfg.task.chat else f"row {chat_rows.uid} of the task data is chat messages"
+            raise ValueError(f"{why}, but the tokenizer in {hf_dir} has no chat template")
     CheckpointManager(cfg).check()
     return train_problems, eval_problems
 
@@ -132,13 +140,14 @@ def build_components(
     from reflow.modes.base import Components
     from reflow.modes.rollouts import PromptTokenizer
     from reflow.rollout.engine import RolloutEngine
+    from reflow.rollout.turns import TurnDriver
     from reflow.tasks import build_task
     from reflow.trainer.policy import PolicyTrainer
     from reflow.weight_sync import WeightSync, build_sync_plan
 
     # 1. the inputs ``check_inputs`` read
     hf_dir = resolve_hf_dir(cfg, recipe)
-    task = build_task(cfg.task.name, cfg.task.reward_timeout_s)
+    task = build_task(cfg.task)
     train_problems, eval_problems = problems
     # 2. distributed
     rank, world, device = init_distributed(cfg.job.collective_timeout_s)
@@ -196,6 +205,7 @@ def build_components(
         weight_syncs[there.replicate_degree] = WeightSync(there, plan, rank, device)
     weight_sync = weight_syncs[placement.replicate_degree]
     # 6. the rest
+    tokenizer = PromptTokenizer(hf_dir, cfg.task.chat)
     return Components(
         cfg=cfg,
         rank=rank,
@@ -205,9 +215,10 @@ def build_components(
         trainer=trainer,
         trainer_group=trainer_group,
         engine=engine,
+        turns=TurnDriver(engine, task.environment, tokenizer, cfg.task.tool_workers),
         weight_sync=weight_sync,
         task=task,
-        tokenizer=PromptTokenizer(hf_dir),
+        tokenizer=tokenizer,
         train_problems=train_problems,
         eval_problems=eval_problems,
         logger=log,

@@ -17,16 +17,18 @@ def evaluate(hf_dir: str, eval_file: str, task_name: str, num_prompts: int, samp
     from reflow.model.recipe import load_recipe
     from reflow.modes.rollouts import PromptTokenizer, make_group_requests, score
     from reflow.rollout.engine import RolloutEngine
+    from reflow.rollout.turns import TurnDriver
     from reflow.tasks import build_task, load_problems
 
     cfg = JobConfig()
     cfg.rollout.max_new_tokens = max_new_tokens
+    cfg.task.name = task_name
     engine = RolloutEngine(cfg, load_recipe("tiny"), hf_dir, seed=seed)
     tok = PromptTokenizer(hf_dir)
-    task = build_task(task_name)
+    task = build_task(cfg.task)
     problems = load_problems(eval_file)[:num_prompts]
     reqs = [r for i, p in enumerate(problems) for r in make_group_requests(p, i, task, tok, samples, max_new_tokens, seed, 0)]
-    done = score(engine.generate(reqs), task, tok)
+    done = score(TurnDriver(engine, task.environment, tok).generate(reqs), task, tok)
     rewards = [s.reward for s in done]
     return {
         "hf": hf_dir,

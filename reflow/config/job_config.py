@@ -181,6 +181,20 @@ class Task:
     every metrics.eval_interval steps)."""
     reward_timeout_s: float = 5.0
     """Longest one reward may take ('math': math-verify runs out of process and is killed past it, reward 0)."""
+    chat: bool = False
+    """Render text prompts as a user message with the tokenizer's chat template (rows that are chat messages,
+    verl's layout, always are). For instruction-tuned models such as Qwen3."""
+    max_turns: int = 4
+    """Multi-turn tasks: environment answers per trajectory (tool calls; the coding agent's tested programs)."""
+    sandbox_wall_s: float = 10.0
+    """Sandboxed code (retool, coding_agent): wall-clock seconds per run."""
+    sandbox_cpu_s: float = 5.0
+    """Sandboxed code: CPU seconds per run."""
+    sandbox_memory_mb: int = 1024
+    """Sandboxed code: address space per run (MiB)."""
+    tool_workers: int = 8
+    """Multi-turn tasks: threads per rollout rank that run environment calls (tools, sandboxed code) while the
+    engine generates for the other trajectories."""
     shuffle: bool = True
     """Draw training prompts in a fresh seeded order each epoch; false: in the file's order (a curriculum, or a
     workload that drifts, such as assets/data/chain_sum_drift_train.jsonl)."""

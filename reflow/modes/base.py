@@ -15,6 +15,7 @@ from reflow.distributed.placement import Placement
 from reflow.metrics.logger import MetricsLogger
 from reflow.modes.rollouts import PromptTokenizer, Sample, evaluate_share
 from reflow.rollout.engine import RolloutEngine
+from reflow.rollout.turns import TurnDriver
 from reflow.stopping import NonFiniteGuard, StopSignals
 from reflow.tasks.base import Problem, Task, iterate_epochs
 from reflow.trainer.policy import PolicyTrainer, StepStats
@@ -33,6 +34,8 @@ class Components:
     trainer: PolicyTrainer | None
     trainer_group: object
     engine: RolloutEngine
+    turns: TurnDriver
+    """Runs requests through the engine and, for a multi-turn task, its environment between model turns."""
     weight_sync: WeightSync
     """The weight sync of the starting placement."""
     task: Task
@@ -221,7 +224,8 @@ class ModeBase:
         """Metrics of one step over the trainer ranks (all ranks in colocated modes).
 
         Rewards and lengths describe ``new_samples`` (first use: what the current policy generates);
-        token throughput counts everything ``trained`` on (fresh and replayed). ``staleness_counts[k]``
+        token throughput counts everything ``trained`` on (fresh and replayed); tool calls per sample and
+        seconds per tool call (environment time, apart from engine time) too. ``staleness_counts[k]``
         is how many trained samples were k versions older than the policy ``trained_version`` they
         trained."""
         samples = new_samples
@@ -243,6 +247,8 @@ class ModeBase:
                 trainer_tokens,
                 sum(1 for r in rewards if r >= 1.0),
                 sum(1 for s in samples if s.finish_reason == "length"),
+                sum(s.tool_calls for s in samples),
+                sum(s.tool_s for s in samples),
                 *staleness,
             ],
             dtype=torch.float64,
@@ -253,7 +259,7 @@ class ModeBase:
         n = max(vec[2].item(), 1.0)
         step_time = timer.elapsed()
         mean = vec[0].item() / n
-        staleness_counts = [int(x) for x in vec[7:].tolist()]
+        staleness_counts = [int(x) for x in vec[9:].tolist()]
         return {
             "reward_mean": mean,
             "reward_std": max(vec[1].item() / n - mean * mean, 0.0) ** 0.5,
@@ -270,6 +276,8 @@ class ModeBase:
             "response_len_mean": vec[3].item() / n,
             "response_len_max": int(maxlen.item()),
             "truncated_frac": vec[6].item() / n,
+            "tool_calls_mean": vec[7].item() / n,
+            "tool_latency_s": vec[8].item() / max(vec[7].item(), 1.0),
             "gen_time_s": timer.get("gen"),
             "train_time_s": timer.get("train"),
             "weight_sync_s": timer.get("sync"),

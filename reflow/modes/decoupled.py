@@ -138,7 +138,7 @@ from reflow.scheduler.dispatch import GroupDispatcher
 
 
 _SUMMED_ROLLOUT_STATS = (
-    "busy_s", "idle_s", "engine_steps", "step_sequences", "preemptions", "admitted_groups", "gate_refusals"
+    "busy_s", "idle_s", "tool_wait_s", "engine_steps", "step_sequences", "preemptions", "admitted_groups", "gate_refusals"
 )
 """Rollout-worker report fields that add up over a window."""
 
@@ -441,7 +441,7 @@ class DecoupledMode(ModeBase):
         the previous window's ratio, KV usage and caps."""
         reports = self.rollout_stats
         idle = sum(s["idle_s"] for s in reports.values())
-        busy = sum(s["busy_s"] for s in reports.values())
+        busy = sum(s["busy_s"] + s["tool_wait_s"] for s in reports.values())
         if idle + busy > 0:
             self.rollout_stats = {}
         else:
@@ -458,6 +458,7 @@ class DecoupledMode(ModeBase):
             **self.carried_rollout_state,
             "rollout_busy_s": total("busy_s"),
             "rollout_idle_s": total("idle_s"),
+            "rollout_tool_wait_s": total("tool_wait_s"),
             "rollout_engine_steps": steps,
             "rollout_step_sequences": total("step_sequences"),
             "preemptions": total("preemptions"),

@@ -12,8 +12,9 @@
                           concurrency cap, and with scheduler.kv_admission the KV rule; an empty engine
                           always admits); also right after each Progress, before the next command. A
                           group's destination shard is fixed here
-          3. generate     one engine step; a finished group is scored and put on the data outbox at once
-                          (the send happens on the outbox thread)
+          3. generate     one engine step (``reflow.rollout.turns``: a trajectory that calls a tool waits for its
+                          environment off the engine, and re-enters it with the answer); a finished group is
+                          scored and put on the data outbox at once (the send happens on the outbox thread)
           4. idle         nothing in flight: block on the control inbox until a command arrives
 
 Step 1's first-token rule makes a sample's birth version (its oldest token) equal to the version it was
@@ -74,6 +75,8 @@ class BusyIdle:
 
     busy_s: float = 0.0
     idle_s: float = 0.0
+    tool_wait_s: float = 0.0
+    """Time with an empty engine and trajectories waiting on their environment (neither busy nor idle)."""
     last_report: float = field(default_factory=time.time)
 
 
@@ -98,6 +101,7 @@ class RolloutWorker:
         self.parts = parts
         self.rollout_index, self.num_rollout = rollout_index, num_rollout
         self.engine: RolloutEngine = parts.engine
+        self.turns = parts.turns
         self.weight_sync = weight_sync
         self.task, self.tokenizer = parts.task, parts.tokenizer
         self.trainer_ranks = trainer_ranks
@@ -120,7 +124,7 @@ class RolloutWorker:
             while self.commands:
                 command = self.commands.popleft()
                 if isinstance(command, Stop):
-                    self.ledger["dropped_at_stop"] = [req.request_id for req in self.engine.hold_all()]
+                    self.ledger["dropped_at_stop"] = [req.request_id for req in self.turns.drop_all()]
                     self.ledger["dropped_at_stop"] += self.groups.waiting_ids()
                     return command
                 if isinstance(command, Transition):
@@ -138,10 +142,10 @@ class RolloutWorker:
             # 2. admit
             self._admit()
             # 3. generate, or 4. idle
-            if self.engine.num_active:
+            if self.turns.num_active:
                 t0 = time.perf_counter()
                 self._step()
-                self.busy_idle.busy_s += time.perf_counter() - t0
+                self._count_busy(time.perf_counter() - t0)
             else:
                 t0 = time.perf_counter()
                 command = self.control.wait(timeout=0.05)
@@ -151,28 +155,33 @@ class RolloutWorker:
             if time.time() - self.busy_idle.last_report > 1.0:
                 self._report()
 
+    def _count_busy(self, elapsed: float) -> None:
+        """Time spent stepping: engine time, less what the turn driver spent waiting on tools in it."""
+        waited = self.turns.take_tool_wait()
+        self.busy_idle.busy_s += elapsed - waited
+        self.busy_idle.tool_wait_s += waited
+
     def _finish_in_flight(self) -> None:
         """A placement change: generate every admitted request to its end and send its group (never dropped)."""
         t0 = time.perf_counter()
-        while self.engine.num_active:
+        while self.turns.num_active:
             self._step()
-        self.busy_idle.busy_s += time.perf_counter() - t0
+        self._count_busy(time.perf_counter() - t0)
         assert not self.groups.waiting_ids(), "a group's requests always finish together here"
         self._report()
 
     def _sync(self, version: int) -> None:
         t0 = time.perf_counter()
         sequences = self.engine.num_active
-        started = self.engine.step_until_started()
+        started = self.turns.step_until_started()
         self.gate.after_step([len(req.output_ids) for req in started], sequences)
         for req in started:
             self._finished(req)
-        held = self.engine.hold_all()
-        self.busy_idle.busy_s += time.perf_counter() - t0
+        held = self.turns.hold_all()  # trajectories waiting on a tool stay there, and resume under version v
+        self._count_busy(time.perf_counter() - t0)
         self.weight_sync.sync(None, self.engine, version)
         self._evaluate(version)
-        for req in held:  # partial rollouts continue from their prefix; each token keeps its version
-            self.engine.add(req)
+        self.turns.resume(held)  # partial rollouts continue from their prefix, turns and all; each token keeps its version
         self._report()
 
     def _evaluate(self, version: int) -> None:
@@ -190,7 +199,7 @@ class RolloutWorker:
 
     def _step(self) -> None:
         sequences = self.engine.num_active
-        finished = self.engine.step()
+        finished = self.turns.step()
         self.gate.after_step([len(req.output_ids) for req in finished], sequences)
         for req in finished:
             self._finished(req)
@@ -219,7 +228,7 @@ class RolloutWorker:
             now = time.time()
             for req in requests:
                 req.meta.update(shard=shard, admitted_at=now)
-                self.engine.add(req)
+                self.turns.add(req)
                 self.ledger["started"].append(req.request_id)
             self.budget.record_start(shard)
 
@@ -238,7 +247,8 @@ class RolloutWorker:
         self.outbox.put(
             self.control.leader,
             {
-                "type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s, **self.gate.report(),
+                "type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s,
+                "tool_wait_s": self.busy_idle.tool_wait_s, **self.gate.report(),
                 "load": self.gate.load(started=sum(self.budget.started)),
             },
         )

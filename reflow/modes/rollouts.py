@@ -16,9 +16,12 @@ from reflow.trainer.batch import TrainBatch, pack
 class PromptTokenizer:
     """Wraps a Hugging Face tokenizer: encode prompts (BOS first when the tokenizer has one), decode completions."""
 
-    def __init__(self, hf_dir: str):
+    def __init__(self, hf_dir: str, chat: bool = False):
         from transformers import AutoTokenizer
 
+        self.hf_dir = hf_dir
+        self.chat = chat
+        """task.chat: a text prompt is rendered as a user message with the chat template too."""
         self.tok = AutoTokenizer.from_pretrained(hf_dir)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.bos_id = self.tok.bos_token_id
@@ -28,6 +31,21 @@ class PromptTokenizer:
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
+
+    def encode_prompt(self, prompt: str | list[dict]) -> list[int]:
+        """A task's prompt: text as ``encode``, chat messages through the tokenizer's chat template (ending
+        with the assistant's opening, so the completion is the assistant's message)."""
+        if isinstance(prompt, str):
+            if not self.chat:
+                return self.encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
+        if not self.tok.chat_template:
+            raise ValueError(f"the task's prompts are chat messages, but the tokenizer in {self.hf_dir} has no chat template")
+        return list(self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Tokens that continue a sequence (an environment's answer inside a response): no BOS."""
+        return self.tok(text, add_special_tokens=False).input_ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -45,7 +63,7 @@ def make_group_requests(
     """G sample-level requests for one prompt; they travel (and are scored) together.
 
     ``draw`` is the prompt's position in the run's prompt stream: unique even when a problem is drawn twice."""
-    ids = tok.encode(task.format_prompt(problem))
+    ids = tok.encode_prompt(task.format_prompt(problem))
     group = f"{problem.uid}#{draw}"
     return [
         Request(
@@ -74,6 +92,9 @@ def score(requests: list[Request], task: Task, tok: PromptTokenizer) -> list[Sam
                 versions=r.versions,
                 reward=task.reward(problem, tok.decode(r.output_ids)),
                 finish_reason=r.finish_reason,
+                model_spans=r.model_spans if task.environment is not None else None,
+                tool_calls=r.tool_calls,
+                tool_s=r.tool_s,
             )
         )
     return out
@@ -104,6 +125,7 @@ def to_batch(samples: list[Sample], pad_id: int, weights: list[float] | None = N
         weights,
         [s.reward for s in samples],
         pad_id,
+        [s.model_spans if s.model_spans is not None else [[0, len(s.output_ids)]] for s in samples],
     )
 
 
@@ -116,5 +138,5 @@ def evaluate_share(parts, num_prompts: int, index: int, count: int) -> tuple[flo
         requests.extend(make_group_requests(
             problem, -1, parts.task, parts.tokenizer, 1, parts.cfg.rollout.max_new_tokens, parts.cfg.job.seed, -1,
         ))
-    samples = score(parts.engine.generate(requests), parts.task, parts.tokenizer) if requests else []
+    samples = score(parts.turns.generate(requests), parts.task, parts.tokenizer) if requests else []
     return sum(s.reward for s in samples), len(samples)

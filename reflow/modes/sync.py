@@ -4,7 +4,8 @@ Every rank is both a trainer shard and a rollout engine. Each step:
 
   1. dispatch   all ranks draw the same P prompts; rank r takes prompts r, r+W, ...
                 and asks its engine for G samples of each (a group stays on one rank)
-  2. rollout    generate to completion with the current weights (version v); on CUDA the trainer's
+  2. rollout    generate to completion with the current weights (version v), with a multi-turn task's
+                environment answering between model turns; on CUDA the trainer's
                 state waits in pinned host memory meanwhile (training.offload_while_generating)
   3. score      task reward, group-normalized advantages
   4. train      one trainer step (FSDP2 across all ranks) on the local samples
@@ -49,7 +50,7 @@ class SyncMode(ModeBase):
         #    frees its memory for training afterwards (both on CUDA only)
         with timer("gen"):
             parts.trainer.park("optimizer", "parameters")
-            finished = parts.engine.generate(requests)
+            finished = parts.turns.generate(requests)
             parts.engine.sleep()
         # 3. score
         samples = score(finished, parts.task, parts.tokenizer)

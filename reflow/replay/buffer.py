@@ -41,9 +41,16 @@ class BufferedSample:
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
+    """One per model token (``model_spans``)."""
     versions: list[int]
     reward: float
     finish_reason: str | None = None
+    model_spans: list[list[int]] | None = None
+    """[start, end) ranges of ``output_ids`` the model generated; None: all of them (a single-turn sample).
+    The rest came from the environment (a multi-turn task's tool answers) and is never trained on."""
+    tool_calls: int = 0
+    tool_s: float = 0.0
+    """Seconds the trajectory waited on its environment."""
     origin: int = -1
     """Index of the rollout rank that generated it (among the rollout ranks; -1 if none)."""
     advantage: float = 0.0

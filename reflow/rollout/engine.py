@@ -8,7 +8,9 @@ with anything else (polling for a weight sync, streaming finished samples).
 
 Each generated token carries the log-prob vLLM sampled it with (processed
 log-probs: after temperature) and the policy version of the weights that
-produced it.
+produced it. A request of a multi-turn task (``reflow.rollout.turns``) stops
+at the end of a tool call (``Request.stop``); the environment's answer is then
+appended to its response as tokens the model did not generate, and it resumes.
 """
 
 from __future__ import annotations
@@ -56,11 +58,36 @@ class Request:
     meta: dict = field(default_factory=dict)
     ignore_eos: bool = False
     """Generate exactly max_tokens (synthetic workloads with a chosen length distribution: benchmarks)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a model turn (a multi-turn task's tool call); the string is kept in the output."""
     # filled while generating
     output_ids: list[int] = field(default_factory=list)
+    """The response: the model's tokens and, in a multi-turn trajectory, the environment's between its turns."""
     logprobs: list[float] = field(default_factory=list)
+    """One per model token (``model_spans``), in order: the environment's tokens have none."""
     versions: list[int] = field(default_factory=list)
+    """The policy version that produced each model token."""
+    model_spans: list[list[int]] = field(default_factory=list)
+    """[start, end) ranges of ``output_ids`` the model generated, one per model turn."""
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    """The stop string (or token) that ended the latest model turn; None at EOS or the length limit."""
+    tool_calls: int = 0
+    tool_s: float = 0.0
+    """Wall time the trajectory spent waiting on its environment, apart from engine time."""
+
+    def append_model_tokens(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        start = len(self.output_ids)
+        self.output_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.versions.extend([version] * len(token_ids))
+        if self.model_spans and self.model_spans[-1][1] == start:
+            self.model_spans[-1][1] = len(self.output_ids)
+        elif token_ids:
+            self.model_spans.append([start, len(self.output_ids)])
+
+    def append_environment_tokens(self, token_ids: list[int]) -> None:
+        self.output_ids.extend(token_ids)
 
 
 class RolloutEngine:
@@ -124,7 +151,9 @@ class RolloutEngine:
             # the request's own seed, advanced by the tokens it has: a held partial rollout resumes with a fresh
             # but reproducible stream
             seed=req.seed + len(req.output_ids),
-            detokenize=False,
+            detokenize=bool(req.stop),  # vLLM matches stop strings on the detokenized text
+            stop=list(req.stop) or None,
+            include_stop_str_in_output=True,
             ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -156,12 +185,11 @@ class RolloutEngine:
                 continue
             comp = out.outputs[0]  # DELTA output: only the tokens generated in this step
             lps = comp.logprobs or []
-            for k, tok in enumerate(comp.token_ids):
-                req.output_ids.append(tok)
-                req.logprobs.append(float(lps[k][tok].logprob))
-                req.versions.append(self.version)
+            tokens = list(comp.token_ids)
+            req.append_model_tokens(tokens, [float(lps[k][tok].logprob) for k, tok in enumerate(tokens)], self.version)
             if out.finished:
                 req.finish_reason = comp.finish_reason
+                req.stop_reason = comp.stop_reason
                 del self.active[out.request_id]
                 finished.append(req)
         self.signals = self.signal_reader.read()

@@ -1,22 +1,73 @@
 """Tasks (reward environments). Chosen by ``task.name`` from this explicit dict."""
 
-from reflow.tasks.base import Problem, Task, iterate_epochs, load_problems
-from typing import Callable
+from __future__ import annotations
 
-from reflow.tasks.chain_sum import ChainSumTask
-from reflow.tasks.math import MathTask
+from typing import TYPE_CHECKING, Callable
 
-TASKS: dict[str, Callable[[float], Task]] = {
-    "chain_sum": lambda reward_timeout_s: ChainSumTask(),
-    "math": lambda reward_timeout_s: MathTask(reward_timeout_s),
+from reflow.tasks.base import Environment, Problem, Task, iterate_epochs
+from reflow.tasks.datasets import load_problems
+
+if TYPE_CHECKING:
+    from reflow.config.job_config import Task as TaskSection
+
+
+def _sandbox(section: "TaskSection"):
+    from reflow.envs.sandbox import Sandbox, SandboxLimits
+
+    return Sandbox(SandboxLimits(wall_s=section.sandbox_wall_s, cpu_s=section.sandbox_cpu_s, memory_mb=section.sandbox_memory_mb))
+
+
+def _chain_sum(section):
+    from reflow.tasks.chain_sum import ChainSumTask
+
+    return ChainSumTask()
+
+
+def _chain_sum_boxed(section):
+    from reflow.tasks.chain_sum import ChainSumBoxedTask
+
+    return ChainSumBoxedTask(section.reward_timeout_s)
+
+
+def _chain_sum_calculator(section):
+    from reflow.tasks.calculator import ChainSumCalculatorTask
+
+    return ChainSumCalculatorTask(section.max_turns, section.reward_timeout_s)
+
+
+def _math(section):
+    from reflow.tasks.math import MathTask
+
+    return MathTask(section.reward_timeout_s)
+
+
+def _retool(section):
+    from reflow.tasks.retool import ReToolTask
+
+    return ReToolTask(_sandbox(section), section.max_turns, section.reward_timeout_s)
+
+
+def _coding_agent(section):
+    from reflow.tasks.coding import CodingAgentTask
+
+    return CodingAgentTask(_sandbox(section), section.max_turns)
+
+
+TASKS: dict[str, Callable[["TaskSection"], Task]] = {
+    "chain_sum": _chain_sum,
+    "chain_sum_boxed": _chain_sum_boxed,
+    "chain_sum_calculator": _chain_sum_calculator,
+    "math": _math,
+    "retool": _retool,
+    "coding_agent": _coding_agent,
 }
-"""Each task from task.reward_timeout_s (the longest one reward may take, for tasks that can stall on a completion)."""
+"""Each task built from the [task] section (timeouts, turn limit, sandbox limits)."""
 
 
-def build_task(name: str, reward_timeout_s: float = 5.0) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"task.name: unknown task {name!r} (known: {', '.join(TASKS)})")
-    return TASKS[name](reward_timeout_s)
+def build_task(section: "TaskSection") -> Task:
+    if section.name not in TASKS:
+        raise ValueError(f"task.name: unknown task {section.name!r} (known: {', '.join(TASKS)})")
+    return TASKS[section.name](section)
 
 
-__all__ = ["Problem", "Task", "TASKS", "build_task", "iterate_epochs", "load_problems"]
+__all__ = ["Environment", "Problem", "Task", "TASKS", "build_task", "iterate_epochs", "load_problems"]

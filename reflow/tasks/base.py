@@ -7,19 +7,40 @@ protocol; the trainer never looks inside a row.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Iterator, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One dataset row: an id, the prompt text and the reference answer."""
+    """One dataset row (``reflow.tasks.datasets`` reads the layouts): an id, the prompt and the reference."""
 
     uid: str
     prompt: str
+    """The problem text (a chat row's last user message)."""
     answer: str
+    """The reference answer (a coding row's reference solution, which no reward reads)."""
+    messages: tuple[dict, ...] | None = None
+    """A chat row's messages, rendered with the tokenizer's chat template; None: ``prompt`` is the text."""
+    tests: tuple[tuple[str, str], ...] = ()
+    """A coding row's tests: (stdin, expected stdout) pairs."""
+    source: str = ""
+    """Where the row came from (verl's data_source, "apps", or the file)."""
+
+
+class Environment(Protocol):
+    """What a multi-turn task talks to between the model's turns (a calculator, a code interpreter, a test
+    runner). ``reflow.rollout.turns`` calls it on a worker thread, never inside an engine step."""
+
+    stop: tuple[str, ...]
+    """Strings that end a model turn which addresses the environment (the end of a tool call)."""
+    max_turns: int
+    """Environment answers per trajectory; a model turn past them ends the trajectory unanswered."""
+
+    def respond(self, problem: "Problem", transcript: str) -> str | None:
+        """The environment's answer to the latest model turn (``transcript`` is the response so far, the
+        model's turns and the earlier answers, ending with one of ``stop``), or None to end the trajectory."""
+        ...
 
 
 @runtime_checkable
@@ -27,51 +48,16 @@ class Task(Protocol):
     """What a reward environment provides to the trainer."""
 
     name: str
+    environment: Environment | None
+    """None: single-turn (the model's completion is the whole response)."""
 
-    def format_prompt(self, problem: Problem) -> str:
-        """The text the policy is conditioned on."""
+    def format_prompt(self, problem: Problem) -> str | list[dict]:
+        """What the policy is conditioned on: text, or chat messages (rendered with the chat template)."""
         ...
 
     def reward(self, problem: Problem, completion: str) -> float:
-        """Score one completion in [0, 1]."""
+        """Score one completion in [0, 1] (a multi-turn task's: the whole response, environment answers included)."""
         ...
-
-
-def load_problems(path: str, key: str = "task.train_file") -> list[Problem]:
-    """Read a JSONL file of {"id", "prompt", "answer"} rows. Errors name the config key, the file and the line:
-    a missing or empty file, a line that is not UTF-8 or not a JSON object, a row without a non-empty prompt
-    (never an empty prompt in silence), or without an answer."""
-    problems: list[Problem] = []
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise ValueError(f"{key}: task data file not found: {path}") from None
-    except IsADirectoryError:
-        raise ValueError(f"{key}: {path} is a folder, not a JSONL file") from None
-    with f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{key}: {path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not a JSON object ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object with keys id, prompt, answer, got {type(row).__name__}")
-            prompt = row.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f"{where}: row has no prompt (field 'prompt' must be a non-empty string, got {prompt!r})")
-            if "answer" not in row:
-                raise ValueError(f"{where}: row has no 'answer' field")
-            problems.append(Problem(uid=str(row.get("id", f"{os.path.basename(path)}:{lineno}")), prompt=prompt, answer=str(row["answer"])))
-    if not problems:
-        raise ValueError(f"{key}: task data file is empty: {path}")
-    return problems
 
 
 def epoch_order(num_problems: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:

@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 from reflow.tasks.base import Problem
+from reflow.tasks.math_verify_reward import MathVerifier, boxed_reward
 
 
 @dataclass
@@ -73,6 +74,7 @@ class ChainSumTask:
     """Verifier for chain_sum completions."""
 
     name = "chain_sum"
+    environment = None
 
     def format_prompt(self, problem: Problem) -> str:
         return problem.prompt
@@ -86,3 +88,25 @@ class ChainSumTask:
         if [g.strip() for g in got] == want:
             return 1.0
         return 0.5 if got[-1].strip() == want[-1] else 0.0
+
+
+class ChainSumBoxedTask:
+    """chain_sum with the answer written as ``\\boxed{...}`` after the running sums, scored by math-verify:
+
+        prompt      "Box: 3+5+2="
+        completion  "8,10\n\\boxed{10}"
+
+    The reward is 1 when the boxed answer equals the sum, else 0 (a missing box scores 0)."""
+
+    name = "chain_sum_boxed"
+    environment = None
+    PREFIX = "Box: "
+
+    def __init__(self, reward_timeout_s: float = 5.0):
+        self.verifier = MathVerifier(reward_timeout_s)
+
+    def format_prompt(self, problem: Problem) -> str:
+        return self.PREFIX + problem.prompt
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return boxed_reward(self.verifier, completion, problem.answer.split(",")[-1])

@@ -13,6 +13,7 @@ from reflow.tasks.math_verify_reward import MathVerifier
 
 class MathTask:
     name = "math"
+    environment = None
 
     def __init__(self, reward_timeout_s: float = 5.0):
         self.verifier = MathVerifier(reward_timeout_s)

@@ -74,3 +74,11 @@ class MathVerifier:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def boxed_reward(verifier: MathVerifier, text: str, reference: str) -> float:
+    """1.0 when ``text`` has a ``\\boxed{}`` answer that math-verify finds equivalent to ``reference``; 0.0 without
+    one (where the format is part of what is learned: math-verify would otherwise fall back to the last number)."""
+    if "\\boxed{" not in text:
+        return 0.0
+    return verifier.score(text, reference)

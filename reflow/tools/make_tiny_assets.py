@@ -3,7 +3,9 @@
     python -m reflow.tools.make_tiny_assets [--out assets] [--seed 0]
 
 Deterministic for a given seed (single-threaded CPU math). Steps:
-1. a character-level tokenizer (``tokenizers`` WordLevel, one token per char);
+1. a character-level tokenizer (``tokenizers`` WordLevel, one token per char), with a small chat
+   template (``<|role|>content`` lines, then ``<|assistant|>``) for the layouts whose prompts are chat
+   messages;
 2. chain_sum JSONL files: train (RL prompts), eval (held out) and sft;
 3. a Qwen3-architecture model (head_dim 32, which vLLM's CPU attention
    accepts), trained by a supervised run on the sft split whose answer digits
@@ -58,6 +60,12 @@ TINY_ARCH = dict(
 )
 
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
 def build_tokenizer(out_dir: str):
     """A char-level tokenizer saved as a Hugging Face fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -72,6 +80,7 @@ def build_tokenizer(out_dir: str):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=SPECIALS[PAD_ID], bos_token=SPECIALS[BOS_ID], eos_token=SPECIALS[EOS_ID]
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 

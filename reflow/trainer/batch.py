@@ -14,9 +14,9 @@ import torch
 @dataclass
 class TrainBatch:
     tokens: torch.Tensor  # (B, T) long, right-padded prompt + completion
-    loss_mask: torch.Tensor  # (B, T-1) float, 1 on completion targets
-    behavior_logprobs: torch.Tensor  # (B, T-1) float, vLLM's log-probs of the sampled tokens
-    versions: torch.Tensor  # (B, T-1) long, policy version that produced each completion token (-1 elsewhere)
+    loss_mask: torch.Tensor  # (B, T-1) float, 1 on targets the model generated (never prompt or environment tokens)
+    behavior_logprobs: torch.Tensor  # (B, T-1) float, vLLM's log-probs of the sampled tokens (0 off the mask)
+    versions: torch.Tensor  # (B, T-1) long, policy version that produced each model token (-1 elsewhere)
     advantages: torch.Tensor  # (B,) float
     weights: torch.Tensor  # (B,) float, loss weight omega_i (tau * omega_i for replayed samples)
     rewards: torch.Tensor  # (B,) float
@@ -44,8 +44,13 @@ def pack(
     weights: list[float],
     rewards: list[float],
     pad_id: int,
+    model_spans: list[list[list[int]]] | None = None,
 ) -> TrainBatch:
-    """Right-pad prompt+completion rows into a TrainBatch."""
+    """Right-pad prompt+completion rows into a TrainBatch.
+
+    ``model_spans[i]`` lists the [start, end) ranges of completion i the model generated (a multi-turn
+    trajectory: the environment's tokens between them are context, never targets); row i's log-probs and
+    versions are those tokens' in order. None: every completion token is the model's."""
     assert len(prompts) == len(completions) == len(behavior_logprobs) == len(advantages)
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))
     B = len(prompts)
@@ -54,13 +59,16 @@ def pack(
     blp = torch.zeros(B, width - 1)
     ver = torch.full((B, width - 1), -1, dtype=torch.long)
     for i, (p, c, lp, v) in enumerate(zip(prompts, completions, behavior_logprobs, versions)):
-        assert len(c) == len(lp) == len(v), "one behavior log-prob and version per completion token"
+        spans = model_spans[i] if model_spans is not None else [[0, len(c)]]
+        # the target columns of the model's tokens: completion token j is predicted at column len(p) - 1 + j
+        columns = torch.cat([torch.arange(start, end) for start, end in spans]) + len(p) - 1 if spans else torch.zeros(0, dtype=torch.long)
+        assert len(columns) == len(lp) == len(v), "one behavior log-prob and version per model token"
+        assert all(0 <= start <= end <= len(c) for start, end in spans), "model spans inside the completion"
         row = p + c
         tokens[i, : len(row)] = torch.tensor(row)
-        s, e = len(p) - 1, len(p) - 1 + len(c)
-        mask[i, s:e] = 1.0
-        blp[i, s:e] = torch.tensor(lp, dtype=torch.float32)
-        ver[i, s:e] = torch.tensor(v, dtype=torch.long)
+        mask[i, columns] = 1.0
+        blp[i, columns] = torch.tensor(lp, dtype=torch.float32)
+        ver[i, columns] = torch.tensor(v, dtype=torch.long)
     return TrainBatch(
         tokens=tokens,
         loss_mask=mask,

@@ -1,5 +1,6 @@
 import json
 
+from reflow.config.job_config import Task as TaskSection
 from reflow.tasks import TASKS, build_task, load_problems
 from reflow.tasks.base import Problem, Task, iterate_epochs
 from reflow.tasks.chain_sum import ChainSumSpec, generate, write_jsonl
@@ -7,7 +8,7 @@ import pytest
 
 
 def test_reward_levels():
-    task = build_task("chain_sum")
+    task = build_task(TaskSection(name="chain_sum"))
     assert isinstance(task, Task)
     p = Problem("x", "3+5+2+8=", "8,10,18")
     assert task.reward(p, "8,10,18") == 1.0
@@ -51,7 +52,7 @@ def test_bad_rows_name_file_and_line(tmp_path):
 
 def test_unknown_task():
     with pytest.raises(ValueError, match="task.name"):
-        build_task("nope")
+        build_task(TaskSection(name="nope"))
     assert "chain_sum" in TASKS
 
 

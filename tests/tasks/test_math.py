@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from reflow.config.job_config import Task as TaskSection
 from reflow.tasks import build_task
 from reflow.tasks.base import Problem
 from reflow.tasks.math_verify_reward import MathVerifier
@@ -12,7 +13,7 @@ from reflow.tasks.math_verify_reward import MathVerifier
 
 @pytest.fixture(scope="module")
 def task():
-    task = build_task("math", reward_timeout_s=3.0)
+    task = build_task(TaskSection(name="math", reward_timeout_s=3.0))
     yield task
     task.verifier.close()
 

@@ -23,6 +23,7 @@ from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.rollouts import PromptTokenizer
 from reflow.rollout.engine import RolloutEngine
 from reflow.scheduler import DispatchBudget, DispatchRule
+from reflow.rollout.turns import TurnDriver
 from reflow.tasks import build_task, load_problems
 
 cfg = JobConfig()
@@ -73,7 +74,8 @@ class ScriptedControl:
 
 
 outbox = CollectingOutbox()
-parts = SimpleNamespace(cfg=cfg, engine=engine, task=build_task("chain_sum"), tokenizer=PromptTokenizer(hf))
+task, tokenizer = build_task(cfg.task), PromptTokenizer(hf)
+parts = SimpleNamespace(cfg=cfg, engine=engine, turns=TurnDriver(engine, task.environment, tokenizer), task=task, tokenizer=tokenizer)
 budget = DispatchBudget(DispatchRule(window=4), 0, 1, 1, group_size=2)  # one_step_off's window of 2 batches
 stream = PromptStream(load_problems(resolve_path(cfg.task.train_file)), 0)
 worker = RolloutWorker(parts, SameWeights(), ScriptedControl(outbox), outbox, budget, stream, initial_shares(1)[0], 0, [0], 1)

@@ -1,0 +1,152 @@
+"""Multi-turn trajectories: the engine generates a model turn, the environment answers, the model goes on.
+
+    TurnDriver(engine, environment, tokenizer, workers).add(request) / step() -> finished trajectories
+
+A request of a multi-turn task stops at the end of a tool call (one of ``environment.stop``). The driver
+then hands the response so far to the environment on a worker thread, and the engine goes on with every
+other request meanwhile: a trajectory waiting on a tool holds no engine slot and blocks nothing. When
+the answer arrives (checked before each engine step), its tokens are appended to the response as the
+environment's (no log-prob, no version, outside ``model_spans``, so never a training target) and the
+request goes back into the engine, where it resumes from its whole prefix. A trajectory ends at EOS, at
+the length limit (an answer that does not fit ends it too: it is not appended), when the environment
+answers None, or at a tool call past ``environment.max_turns``.
+
+Weight syncs: ``hold_all`` takes only what is in the engine; a trajectory waiting on its tool stays
+waiting and re-enters the engine under the new weights when its answer comes, with every turn it had.
+Either way its tokens keep the versions that produced them, as any partial rollout's.
+
+Accounting: each trajectory counts its tool calls and the wall time it waited on them (``tool_s``);
+the driver counts the time it blocked with an empty engine waiting on tools (``tool_wait_s``), which a
+rollout worker reports apart from engine time and idle time. Single-turn tasks (no environment) pass
+straight through to the engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import time
+from typing import TYPE_CHECKING, Iterable
+
+from reflow.rollout.engine import Request, RolloutEngine
+from reflow.tasks.base import Environment
+
+if TYPE_CHECKING:
+    from reflow.modes.rollouts import PromptTokenizer
+
+
+class TurnDriver:
+    def __init__(self, engine: RolloutEngine, environment: Environment | None, tokenizer: "PromptTokenizer", workers: int = 8):
+        self.engine = engine
+        self.environment = environment
+        self.tokenizer = tokenizer
+        self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool") if environment else None
+        self.waiting: dict[futures.Future, Request] = {}
+        """Trajectories whose latest tool call is with the environment."""
+        self.tool_wait_s = 0.0
+
+    @property
+    def num_active(self) -> int:
+        """Trajectories not finished: in the engine or waiting on a tool."""
+        return self.engine.num_active + len(self.waiting)
+
+    @property
+    def num_waiting_on_tools(self) -> int:
+        return len(self.waiting)
+
+    def add(self, req: Request) -> None:
+        if self.environment is not None:
+            req.stop = tuple(self.environment.stop)
+        self.engine.add(req)
+
+    def step(self) -> list[Request]:
+        """Resume the trajectories whose tool answered, then one engine step (or, with an empty engine, a short
+        wait for a tool); returns the trajectories that finished."""
+        finished: list[Request] = []
+        self._resume_answered(finished)
+        if self.engine.num_active:
+            stopped = self.engine.step()
+        else:
+            if self.waiting:
+                t0 = time.perf_counter()
+                futures.wait(list(self.waiting), timeout=0.05, return_when=futures.FIRST_COMPLETED)
+                self.tool_wait_s += time.perf_counter() - t0
+                self._resume_answered(finished)
+            stopped = []
+        for req in stopped:
+            self._route(req, finished)
+        return finished
+
+    def step_until_started(self) -> list[Request]:
+        """``RolloutEngine.step_until_started`` (before a weight sync), with the requests that stopped meanwhile
+        routed as in ``step``; returns the trajectories that finished."""
+        finished: list[Request] = []
+        for req in self.engine.step_until_started():
+            self._route(req, finished)
+        return finished
+
+    def generate(self, requests: Iterable[Request]) -> list[Request]:
+        """Run trajectories to their end (the synchronous path)."""
+        for req in requests:
+            self.add(req)
+        done: list[Request] = []
+        while self.num_active:
+            done.extend(self.step())
+        return done
+
+    def hold_all(self) -> list[Request]:
+        """The engine's requests, stopped with their prefix (a weight sync); those waiting on a tool stay."""
+        return self.engine.hold_all()
+
+    def resume(self, held: Iterable[Request]) -> None:
+        for req in held:
+            self.engine.add(req)
+
+    def drop_all(self) -> list[Request]:
+        """Stop everything (the end of a run): the engine's requests and those waiting on a tool (their answers
+        are ignored)."""
+        dropped = self.engine.hold_all() + list(self.waiting.values())
+        self.waiting.clear()
+        return dropped
+
+    def take_tool_wait(self) -> float:
+        waited, self.tool_wait_s = self.tool_wait_s, 0.0
+        return waited
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _route(self, req: Request, finished: list[Request]) -> None:
+        """A request that left the engine: to its environment (a tool call), or finished."""
+        if self._calls_tool(req):
+            transcript = self.tokenizer.decode(req.output_ids)
+            self.waiting[self.pool.submit(self._respond, req, transcript)] = req
+        else:
+            finished.append(req)
+
+    def _calls_tool(self, req: Request) -> bool:
+        env = self.environment
+        return (
+            env is not None and req.finish_reason == "stop" and req.stop_reason in env.stop
+            and req.tool_calls < env.max_turns and len(req.output_ids) < req.max_tokens
+        )
+
+    def _respond(self, req: Request, transcript: str) -> str | None:
+        """On a worker thread: the environment's answer, timed into the trajectory."""
+        t0 = time.perf_counter()
+        try:
+            return self.environment.respond(req.meta["problem"], transcript)
+        finally:
+            req.tool_calls += 1
+            req.tool_s += time.perf_counter() - t0
+
+    def _resume_answered(self, finished: list[Request]) -> None:
+        for future in [f for f in self.waiting if f.done()]:
+            req = self.waiting.pop(future)
+            answer = future.result()  # an environment that raises is a bug in it: it surfaces here
+            answer_ids = self.tokenizer.encode_continuation(answer) if answer is not None else []
+            if answer is None or len(req.output_ids) + len(answer_ids) >= req.max_tokens:
+                req.finish_reason = "stop" if answer is None else "length"
+                finished.append(req)
+                continue
+            req.append_environment_tokens(answer_ids)
+            req.finish_reason = req.stop_reason = None
+            self.engine.add(req)
