@@ -52,7 +52,7 @@ class PythonInterpreter:
         if code is None:
             return "<interpreter>\nerror: no code\n</interpreter>\n"
         result = self.sandbox.run(code)
-        return f"<interpreter>\n{result.message(self.shown_chars)}\n</interpreter>\n"
+        return f"<interpreter>\n{result.message(self.shown_chars).rstrip()}\n</interpreter>\n"
 
 
 class ReToolTask:
