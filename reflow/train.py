@@ -61,7 +61,7 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
         json.dumps(
             {
                 "placement": placement.describe(),
-                "feasible_placements": [p.name for p in feasible_placements(world, placement.shard_degree, placement.colocated)],
+                "feasible_placements": [p.name for p in feasible_placements(world, placement.shard_degree, placement.colocated, placement.rollout_tp)],
                 "placement_schedule": [{"after_step": step, "trainer_replicas": replicas} for step, replicas in schedule],
                 "recipe": recipe.path,
                 "num_params": n,
@@ -82,14 +82,17 @@ def _planned_world_size(cfg: JobConfig) -> int:
     return p.trainer_replicate_degree + p.num_rollout_ranks
 
 
-def pin_local_gpu() -> None:
+def pin_local_gpu(rollout_tp: int) -> None:
     """Give each torchrun rank exactly its own GPU before anything touches CUDA.
 
     vLLM's in-process executor places its engine on the current process's first visible device, whatever
-    torch.cuda.set_device said; with one visible device per rank the trainer and the engine agree."""
+    torch.cuda.set_device said; with one visible device per rank the trainer and the engine agree. A
+    tensor-parallel engine (external_launcher) places each rank on device LOCAL_RANK and its all-reduces
+    need the block's devices visible, so with rollout.tensor_parallel_degree > 1 every device stays visible
+    (the trainer also uses device LOCAL_RANK)."""
     local = os.environ.get("LOCAL_RANK")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if local is None or os.environ.get("REFLOW_KEEP_VISIBLE_DEVICES") == "1":
+    if local is None or rollout_tp > 1 or os.environ.get("REFLOW_KEEP_VISIBLE_DEVICES") == "1":
         return
     if visible:
         devices = [d for d in visible.split(",") if d.strip()]
@@ -169,7 +172,7 @@ def build_components(
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     # every feasible placement's trainer layout: meshes and groups are collective to build, so every placement a
     # controller may choose exists from now on
-    feasible = feasible_placements(world, placement.shard_degree, placement.colocated)
+    feasible = feasible_placements(world, placement.shard_degree, placement.colocated, placement.rollout_tp)
     replica_counts = [p.replicate_degree for p in feasible]
     layouts = build_trainer_layouts(world, placement.shard_degree, replica_counts)
     trainer_group = layouts[placement.replicate_degree].group
@@ -183,7 +186,8 @@ def build_components(
         log.info(f"CPU affinity: rank {rank} pinned to core {pinned}, 1 compute thread")
     # 3. the embedded vLLM engine (every rank, same point)
     t0 = time.time()
-    engine = RolloutEngine(cfg, recipe, hf_dir, seed=cfg.job.seed + rank)
+    # the ranks of one tensor-parallel engine share its seed: their scheduler copies must sample alike
+    engine = RolloutEngine(cfg, recipe, hf_dir, seed=cfg.job.seed + rank // cfg.rollout.tensor_parallel_degree)
     log.info(f"vLLM engines built in {time.time() - t0:.1f}s")
     if device.type == "cpu":
         log.info("CPU run: vLLM sleep/wake and trainer offload are no-ops")
@@ -252,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
               f"checkpoint OK for {placement.world_size} ranks")
         return 0
 
-    pin_local_gpu()
+    pin_local_gpu(cfg.rollout.tensor_parallel_degree)
     import torch.distributed as dist
 
     from reflow.modes import MODES

@@ -184,6 +184,9 @@ class Task:
     chat: bool = False
     """Render text prompts as a user message with the tokenizer's chat template (rows that are chat messages,
     verl's layout, always are). For instruction-tuned models such as Qwen3."""
+    instructions: str = ""
+    """retool, coding_agent: the instructions put before each problem (a system message for chat rows); "": the
+    task's own (how to call the interpreter, how to submit a program)."""
     max_turns: int = 4
     """Multi-turn tasks: environment answers per trajectory (tool calls; the coding agent's tested programs)."""
     sandbox_wall_s: float = 10.0

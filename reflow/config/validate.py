@@ -65,8 +65,12 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         fail("rollout.temperature", f"must be > 0 (the trainer scores log-probs at this temperature), got {r.temperature}")
     if not 0 < r.top_p <= 1:
         fail("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-    if r.tensor_parallel_degree != 1:
-        fail("rollout.tensor_parallel_degree", "> 1 is not supported in this build (one engine per rank)")
+    if r.tensor_parallel_degree > 1 and t.mode == "sync":
+        fail(
+            "rollout.tensor_parallel_degree",
+            f"= {r.tensor_parallel_degree} needs a decoupled mode (one_step_off, async, reflow): 'sync' generates "
+            "on every rank independently",
+        )
     if t.mode == "sync" and cfg.weight_sync.interval != 1:
         fail("weight_sync.interval", f"must be 1 in 'sync' mode (on-policy), got {cfg.weight_sync.interval}")
     if t.group_size < 2:
@@ -141,6 +145,7 @@ def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default")
     try:
         placement = build_placement(
             world_size, p.trainer_replicate_degree, p.trainer_shard_degree, p.num_rollout_ranks, where=where,
+            rollout_tp=cfg.rollout.tensor_parallel_degree,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -199,7 +204,11 @@ def parse_schedule(cfg: JobConfig, placement, where=lambda key: "default") -> li
             )
         if replicas == replicas_now:
             fail(f"entry {text!r}: the trainer already has {replicas} replicas then")
-        there = build_placement(placement.world_size, replicas, placement.shard_degree, placement.world_size - replicas * placement.shard_degree)
+        try:
+            there = build_placement(placement.world_size, replicas, placement.shard_degree,
+                                    placement.world_size - replicas * placement.shard_degree, rollout_tp=placement.rollout_tp)
+        except ValueError as e:
+            fail(f"entry {text!r}: {e}")
         sub = replace(cfg, placement=replace(cfg.placement, schedule=[], trainer_replicate_degree=replicas,
                                              num_rollout_ranks=there.num_rollout_ranks))
         try:
@@ -217,7 +226,7 @@ def _validate_decoupled(cfg: JobConfig, placement, where) -> None:
     from reflow.scheduler import share_groups
 
     mode, training = cfg.training.mode, cfg.training
-    group_size, num_rollout, num_shards = training.group_size, placement.num_rollout_ranks, placement.num_trainer_ranks
+    group_size, num_rollout, num_shards = training.group_size, len(placement.rollout_workers), placement.num_trainer_ranks
     batch = training.prompts_per_step * group_size
     if mode in ("async", "reflow") and cfg.replay.delta < cfg.weight_sync.interval:
         raise ConfigError(
@@ -250,8 +259,9 @@ def _validate_decoupled(cfg: JobConfig, placement, where) -> None:
     for limit, name in ((rule.window, "the window of samples started but not yet trained"), (rule.per_step, "B_max")):
         if limit and limit // group_size < num_rollout:
             raise ConfigError(
-                f"{where('placement.num_rollout_ranks')}: 'placement.num_rollout_ranks' = {num_rollout} is more than "
-                f"{name} ({limit // group_size} groups): some rollout ranks would never generate; use fewer rollout "
+                f"{where('placement.num_rollout_ranks')}: 'placement.num_rollout_ranks' = {placement.num_rollout_ranks} "
+                f"makes {num_rollout} rollout engines, more than "
+                f"{name} ({limit // group_size} groups): some engines would never generate; use fewer rollout "
                 "ranks or raise training.prompts_per_step" + (" or rollout.b_max" if mode == "reflow" else "")
             )
     if mode == "one_step_off":
@@ -322,6 +332,17 @@ def validate_recipe(cfg: JobConfig, recipe, placement, where=lambda key: "defaul
         raise ConfigError(
             f"{where('rollout.max_model_len')}: 'rollout.max_model_len' = {cfg.rollout.max_model_len} exceeds the "
             f"model's max_seq_len {recipe.architecture.max_seq_len} ({recipe.path})"
+        )
+    tp = cfg.rollout.tensor_parallel_degree
+    if recipe.architecture.n_heads % tp:
+        raise ConfigError(
+            f"{where('rollout.tensor_parallel_degree')}: 'rollout.tensor_parallel_degree' = {tp} does not divide the "
+            f"model's {recipe.architecture.n_heads} attention heads ({recipe.path})"
+        )
+    if tp != par.rollout_tensor_parallel_degree:
+        warnings.append(
+            f"recipe {recipe.name} recommends rollout.tensor_parallel_degree = {par.rollout_tensor_parallel_degree}; "
+            f"this run uses {tp}"
         )
     if recipe.device == "cuda":
         warnings.append(f"recipe {recipe.name} is meant for GPUs (vLLM {recipe.vllm.dtype}, TP {par.rollout_tensor_parallel_degree})")

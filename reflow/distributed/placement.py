@@ -6,6 +6,12 @@
 Trainer ranks come first (0 .. A-1), rollout ranks after them. With
 ``num_rollout_ranks = 0`` the placement is colocated: every rank trains and
 generates (the ``sync`` mode).
+
+Rollout tensor parallelism (``rollout.tensor_parallel_degree`` = s_R > 1): every rank holds its part of
+one engine over the aligned block of s_R ranks it sits in (ranks k s_R .. (k + 1) s_R - 1, vLLM's layout),
+so the world is a multiple of s_R and the rollout pool is a whole number of blocks: placements move rollout
+workers in units of s_R. A block's first rank is its rollout worker (``rollout_workers``); the others
+replay its engine calls (``reflow.rollout.tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ class Placement:
     replicate_degree: int
     shard_degree: int
     num_rollout_ranks: int
+    rollout_tp: int = 1
+    """s_R: ranks per vLLM engine."""
 
     @property
     def num_trainer_ranks(self) -> int:
@@ -40,6 +48,16 @@ class Placement:
             return list(range(self.world_size))
         return list(range(self.num_trainer_ranks, self.world_size))
 
+    @property
+    def rollout_workers(self) -> list[int]:
+        """The first rank of every rollout engine (every rollout rank without tensor parallelism)."""
+        return self.rollout_ranks[:: self.rollout_tp]
+
+    def tp_block(self, rank: int) -> list[int]:
+        """The ranks of the engine ``rank`` is part of."""
+        first = rank - rank % self.rollout_tp
+        return list(range(first, first + self.rollout_tp))
+
     def is_trainer(self, rank: int) -> bool:
         return rank < self.num_trainer_ranks
 
@@ -48,11 +66,15 @@ class Placement:
 
     @property
     def name(self) -> str:
-        """Short form: trainer replicas x shard degree, plus rollout ranks ("T2x1+R2")."""
-        return f"T{self.replicate_degree}x{self.shard_degree}+R{self.num_rollout_ranks}"
+        """Short form: trainer replicas x shard degree, plus rollout ranks ("T2x1+R2"), or rollout engines x
+        their tensor-parallel degree ("T2x1+R1x2")."""
+        rollout = f"{self.num_rollout_ranks // self.rollout_tp}x{self.rollout_tp}" if self.rollout_tp > 1 else str(self.num_rollout_ranks)
+        return f"T{self.replicate_degree}x{self.shard_degree}+R{rollout}"
 
     def describe(self) -> str:
         roll = "colocated" if self.colocated else f"{self.num_rollout_ranks} rollout ranks {self.rollout_ranks}"
+        if self.rollout_tp > 1:
+            roll += f" ({self.num_rollout_ranks // self.rollout_tp} engines of tensor-parallel degree {self.rollout_tp})"
         return (
             f"world {self.world_size}: trainer HSDP {self.replicate_degree}x{self.shard_degree} "
             f"ranks {self.trainer_ranks}; {roll}"
@@ -60,11 +82,20 @@ class Placement:
 
 
 def build_placement(
-    world_size: int, replicate: int, shard: int, num_rollout: int, where: Callable[[str], str] = lambda key: "placement"
+    world_size: int, replicate: int, shard: int, num_rollout: int, where: Callable[[str], str] = lambda key: "placement",
+    rollout_tp: int = 1,
 ) -> Placement:
     """Validate a placement against the world size; errors name the key and where it was set (``where(key)``)."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
+    if rollout_tp < 1:
+        raise ValueError(f"{where('rollout.tensor_parallel_degree')}: 'rollout.tensor_parallel_degree' must be >= 1, got {rollout_tp}")
+    if rollout_tp > 1 and (world_size % rollout_tp or num_rollout % rollout_tp):
+        raise ValueError(
+            f"{where('placement.num_rollout_ranks')}: with 'rollout.tensor_parallel_degree' = {rollout_tp}, the world "
+            f"({world_size} ranks) and 'placement.num_rollout_ranks' ({num_rollout}) must be multiples of it: each "
+            "engine spans an aligned block of that many ranks"
+        )
     if num_rollout < 0 or num_rollout >= world_size:
         raise ValueError(
             f"{where('placement.num_rollout_ranks')}: 'placement.num_rollout_ranks' = {num_rollout} must be in [0, world size {world_size}) "
@@ -88,17 +119,19 @@ def build_placement(
             f"trainer_shard_degree {shard} + num_rollout_ranks {num_rollout} = {replicate * shard + num_rollout}, "
             f"but torchrun started {world_size} ranks"
         )
-    return Placement(world_size, replicate, shard, num_rollout)
+    return Placement(world_size, replicate, shard, num_rollout, rollout_tp)
 
 
-def feasible_placements(world_size: int, shard_degree: int, colocated: bool) -> list[Placement]:
+def feasible_placements(world_size: int, shard_degree: int, colocated: bool, rollout_tp: int = 1) -> list[Placement]:
     """Every placement of ``world_size`` ranks with this trainer shard degree: n replicas of the shard
-    group and the remaining ranks generating (at least one in the decoupled modes; none when colocated)."""
+    group and the remaining ranks generating (at least one engine of ``rollout_tp`` ranks in the decoupled
+    modes, a whole number of them; none when colocated)."""
     if colocated:
         if world_size % shard_degree:
             return []
         return [Placement(world_size, world_size // shard_degree, shard_degree, 0)]
     return [
-        Placement(world_size, replicas, shard_degree, world_size - replicas * shard_degree)
+        Placement(world_size, replicas, shard_degree, world_size - replicas * shard_degree, rollout_tp)
         for replicas in range(1, (world_size - 1) // shard_degree + 1)
+        if (world_size - replicas * shard_degree) % rollout_tp == 0
     ]

@@ -83,6 +83,13 @@ the window, and no admission gate runs in this mode; I1, I2). (3) At the end ran
 sends END to every other rank on the data plane and drains until END from every other rank. Every thread
 exits; nothing sent is left unreceived.
 
+Rollout tensor parallelism (rollout.tensor_parallel_degree = s_R > 1). A rollout "rank" above is a rollout
+*worker*: the first rank of an engine's block of s_R ranks. It alone receives commands, admits, reports and
+sends; the block's other ranks replay its engine calls (``reflow.rollout.tensor_parallel``, whose own essay
+says why that cannot deadlock) and join the weight sync when it does. Nothing above changes: the collectives
+the followers join (vLLM's inside an engine step, the weight sync) are entered by their leader at the same
+point, and a follower leaves with the command its leader left with. Placements move whole blocks.
+
 Placement changes (``_transition``; reflow mode). At every sync point trainer rank 0 asks the run's
 ``PlacementController`` (``ForcedSchedule`` from placement.schedule, or ``PlacementPlanner`` with
 scheduler.adaptive_placement, fed the step rows since its last decision) and broadcasts the answer to the
@@ -130,6 +137,7 @@ from reflow.distributed.placement import build_placement
 from reflow.modes.commands import Progress, Stop, SyncWeights, Transition
 from reflow.modes.prompts import PromptStream, initial_shares, reassign
 from reflow.modes.rollout_worker import RolloutWorker
+from reflow.rollout.tensor_parallel import EngineMirror, follow
 from reflow.modes.rollouts import Sample, to_batch
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.modes.settings import resolve_settings
@@ -185,10 +193,25 @@ class DecoupledMode(ModeBase):
         self.controller = self._placement_controller()
         self.window: list[dict] = []  # metrics rows since the controller's last decision
         self.change_to: int | None = None
-        self.flushed: set[int] = set()  # rollout ranks whose FLUSH arrived (placement changes)
+        self.flushed: set[int] = set()  # rollout workers whose FLUSH arrived (placement changes)
+        self.mirror = self._engine_mirror()
         self._enter(parts.placement)
         if self.is_trainer and not parts.placement.is_rollout(parts.rank):
             parts.engine.sleep()  # frees accelerator memory while this rank trains
+
+    def _engine_mirror(self) -> EngineMirror | None:
+        """With rollout tensor parallelism: the broadcast from this rank's engine block leader to the block (every
+        block's gloo group is made here by every rank, in the same order: new_group is collective)."""
+        placement = self.parts.placement
+        if placement.rollout_tp == 1:
+            return None
+        mine = None
+        for first in range(0, placement.world_size, placement.rollout_tp):
+            block = list(range(first, first + placement.rollout_tp))
+            group = dist.new_group(ranks=block, backend="gloo")
+            if self.rank in block:
+                mine = EngineMirror(group, first, self.rank)
+        return mine
 
     def _placement_controller(self) -> PlacementController | None:
         parts, cfg = self.parts, self.parts.cfg
@@ -214,16 +237,19 @@ class DecoupledMode(ModeBase):
         cfg = self.parts.cfg
         self.placement = placement
         self.trainer_ranks = placement.trainer_ranks
-        self.rollout_ranks = [r for r in placement.rollout_ranks if not placement.is_trainer(r)]
-        self.batch_per_shard = cfg.training.prompts_per_step * cfg.training.group_size // len(self.trainer_ranks)
+        self.rollout_workers = placement.rollout_workers  # one per engine: every rollout rank, or each TP block's first
         self.is_trainer = placement.is_trainer(self.rank)
+        # a rank of a tensor-parallel engine that generates but does not lead it replays its leader's calls
+        self.is_follower = not self.is_trainer and self.rank not in self.rollout_workers
+        self.parts.engine.mirror = self.mirror if self.mirror is not None and self.rank in self.rollout_workers else None
+        self.batch_per_shard = cfg.training.prompts_per_step * cfg.training.group_size // len(self.trainer_ranks)
         self.published = None
         self.rollout_stats = {}  # the previous placement's rollout ranks do not count in the new one's ratio
         self.dispatcher = self._new_dispatcher()
         self.dealt_groups: dict[str, int] = {}  # rank 0: groups the dispatcher granted each rollout rank this step
         if self.is_trainer:
             self.shard_index = self.trainer_ranks.index(self.rank)
-            self.retired = [0] * len(self.rollout_ranks)  # this shard's retirements, per rollout rank
+            self.retired = [0] * len(self.rollout_workers)  # this shard's retirements, per rollout rank
             if self.buffer is None:
                 self.buffer = ReplayBuffer(
                     self.settings.sigma,
@@ -235,16 +261,16 @@ class DecoupledMode(ModeBase):
                 )
                 self.buffer.start_version = self.version
         if self.shares is not None:
-            self.shares = reassign(self.shares, len(self.rollout_ranks))
+            self.shares = reassign(self.shares, len(self.rollout_workers))
 
     def _new_dispatcher(self) -> GroupDispatcher | None:
         """Rank 0's dealer of the dispatch room for this placement, starting at the current step (None unless
         ``dealt_dispatch``)."""
-        if self.rank != 0 or not self.dealt_dispatch or not self.rollout_ranks:
+        if self.rank != 0 or not self.dealt_dispatch or not self.rollout_workers:
             return None
         cfg = self.parts.cfg
         return GroupDispatcher(
-            self.settings.dispatch, len(self.rollout_ranks), len(self.trainer_ranks), cfg.training.group_size,
+            self.settings.dispatch, len(self.rollout_workers), len(self.trainer_ranks), cfg.training.group_size,
             cfg.scheduler.rho, start_step=self.step,
         )
 
@@ -289,8 +315,8 @@ class DecoupledMode(ModeBase):
                 window["kv_usage_sum"] += body["kv_usage_mean"] * body["engine_steps"]
                 window["cap"] = body["cap"]
                 window.setdefault("cap_changes", []).extend(body["cap_changes"])
-                if self.dispatcher is not None and body["load"] is not None and message.src in self.rollout_ranks:
-                    self.dispatcher.report(self.rollout_ranks.index(message.src), body["load"])
+                if self.dispatcher is not None and body["load"] is not None and message.src in self.rollout_workers:
+                    self.dispatcher.report(self.rollout_workers.index(message.src), body["load"])
             elif body["type"] == "eval":  # a rollout rank's share of the held-out evaluation of one version
                 pending = self.pending_evals.get(body["version"])
                 if pending is not None:
@@ -317,7 +343,7 @@ class DecoupledMode(ModeBase):
         """All trainer ranks: are all shards ready? Rank 0 also tells the rollout ranks what was retired.
 
         One all-reduce(SUM) of [not-ready flags, retired[rollout rank][shard]] over the trainer group."""
-        num_rollout, num_shards = len(self.rollout_ranks), len(self.trainer_ranks)
+        num_rollout, num_shards = len(self.rollout_workers), len(self.trainer_ranks)
         counts = torch.zeros(1 + num_rollout * num_shards, dtype=torch.long)
         counts[0] = int(not_ready)
         for rollout in range(num_rollout):
@@ -332,10 +358,10 @@ class DecoupledMode(ModeBase):
                 if self.dispatcher is not None:
                     before = [sum(row) for row in self.dispatcher.granted]
                     granted = self.dispatcher.deal(self.steps_done, retired)
-                    for rollout, rank in enumerate(self.rollout_ranks):
+                    for rollout, rank in enumerate(self.rollout_workers):
                         dealt = (sum(granted[rollout]) - before[rollout]) // self.parts.cfg.training.group_size
                         self.dealt_groups[str(rank)] = self.dealt_groups.get(str(rank), 0) + dealt
-                for rollout, rank in enumerate(self.rollout_ranks):
+                for rollout, rank in enumerate(self.rollout_workers):
                     grants = tuple(granted[rollout]) if granted is not None else None
                     self.control.send(rank, Progress(self.steps_done, tuple(retired[rollout]), grants))
         return counts[0].item() == 0
@@ -353,10 +379,10 @@ class DecoupledMode(ModeBase):
     def _sync_weights(self) -> None:
         parts = self.parts
         if self.rank == self.control.leader:
-            self.control.broadcast(SyncWeights(self.version), self.rollout_ranks)
+            self.control.broadcast(SyncWeights(self.version), self.rollout_workers)
             eval_interval = parts.cfg.metrics.eval_interval
             if eval_interval and self.version % eval_interval == 0:  # the rollout ranks evaluate this version
-                self.pending_evals[self.version] = {"expected": len(self.rollout_ranks), "reward_sum": 0.0, "count": 0, "reports": 0}
+                self.pending_evals[self.version] = {"expected": len(self.rollout_workers), "reward_sum": 0.0, "count": 0, "reports": 0}
         self._evict_stale()
         self.weight_sync.sync(parts.trainer, parts.engine, self.version)
 
@@ -471,14 +497,14 @@ class DecoupledMode(ModeBase):
 
     def _rollout_worker(self) -> RolloutWorker:
         parts = self.parts
-        index = self.rollout_ranks.index(self.rank)
+        index = self.rollout_workers.index(self.rank)
         budget = DispatchBudget(
-            self.settings.dispatch, index, len(self.rollout_ranks), len(self.trainer_ranks),
+            self.settings.dispatch, index, len(self.rollout_workers), len(self.trainer_ranks),
             parts.cfg.training.group_size, start_step=self.step, dealt=self.dealt_dispatch,
         )
         return RolloutWorker(
             parts, self.weight_sync, self.control, self.outbox, budget, self.stream, self.shares[index], index,
-            self.trainer_ranks, len(self.rollout_ranks),
+            self.trainer_ranks, len(self.rollout_workers),
         )
 
     # ================================================================ both
@@ -488,7 +514,7 @@ class DecoupledMode(ModeBase):
         self._restore()
         self.steps_done = self.step
         self.dispatcher = self._new_dispatcher()  # its budgets start at the step the run resumed at
-        self.shares = initial_shares(len(self.rollout_ranks), self._drawn, self.prompt_holes)
+        self.shares = initial_shares(len(self.rollout_workers), self._drawn, self.prompt_holes)
         if self.is_trainer:
             self.buffer.start_version = self.version  # the engines start (or resume) on this version
         if self.resumed_replicas not in (None, self.placement.replicate_degree):
@@ -507,12 +533,15 @@ class DecoupledMode(ModeBase):
                 self.change_to = None
                 history += self.train_loop()
                 if self.rank == self.control.leader:
-                    self.control.broadcast(Transition(self.change_to) if self.change_to else Stop(), self.rollout_ranks)
+                    self.control.broadcast(Transition(self.change_to) if self.change_to else Stop(), self.rollout_workers)
                 target = self.change_to
             else:
-                worker = self._rollout_worker()
-                command = worker.run()
-                self._merge_rollout_ledger(worker.ledger)
+                if self.is_follower:
+                    command = follow(self.parts.engine, self.mirror, self.weight_sync)
+                else:
+                    worker = self._rollout_worker()
+                    command = worker.run()
+                    self._merge_rollout_ledger(worker.ledger)
                 target = command.replicas if isinstance(command, Transition) else None
             if target is None:
                 break
@@ -559,13 +588,14 @@ class DecoupledMode(ModeBase):
         parts = self.parts
         t0 = time.perf_counter()
         old = self.placement
-        new = build_placement(old.world_size, replicas, old.shard_degree, old.world_size - replicas * old.shard_degree)
+        new = build_placement(old.world_size, replicas, old.shard_degree, old.world_size - replicas * old.shard_degree,
+                              rollout_tp=old.rollout_tp)
         # 1. flush the data plane into the shards
-        if not self.is_trainer:
+        if self.rank in self.rollout_workers:
             for rank in self.trainer_ranks:
                 self.outbox.put(rank, {"type": "flush"})
         else:
-            while not set(self.rollout_ranks) <= self.flushed:
+            while not set(self.rollout_workers) <= self.flushed:
                 self._receive()
                 time.sleep(0.002)
             self.flushed.clear()
@@ -584,10 +614,10 @@ class DecoupledMode(ModeBase):
         clock = torch.tensor([self.step, self.version, self.steps_done, self._drawn], dtype=torch.long)
         dist.broadcast(clock, src=0)  # rank 0 trains in every placement
         self.step, self.version, self.steps_done, self._drawn = (int(x) for x in clock.tolist())
-        mine = self.shares[self.rollout_ranks.index(self.rank)] if not self.is_trainer else None
+        mine = self.shares[self.rollout_workers.index(self.rank)] if self.rank in self.rollout_workers else None
         gathered = [None] * old.world_size
         dist.all_gather_object(gathered, mine)
-        self.shares = [gathered[rank] for rank in self.rollout_ranks]
+        self.shares = [gathered[rank] for rank in self.rollout_workers]
         self._enter(new)
         # 5. weights into every engine that generates now (an engine that was asleep wakes in load_weights)
         self.weight_sync.sync(parts.trainer if self.is_trainer else None, parts.engine, self.version)

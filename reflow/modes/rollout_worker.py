@@ -126,9 +126,11 @@ class RolloutWorker:
                 if isinstance(command, Stop):
                     self.ledger["dropped_at_stop"] = [req.request_id for req in self.turns.drop_all()]
                     self.ledger["dropped_at_stop"] += self.groups.waiting_ids()
+                    self._tell_followers("leave", command)
                     return command
                 if isinstance(command, Transition):
                     self._finish_in_flight()
+                    self._tell_followers("leave", command)
                     return command
                 if isinstance(command, SyncWeights):
                     self._sync(command.version)
@@ -155,6 +157,11 @@ class RolloutWorker:
             if time.time() - self.busy_idle.last_report > 1.0:
                 self._report()
 
+    def _tell_followers(self, *call) -> None:
+        """A tensor-parallel engine's other ranks make the same calls (``reflow.rollout.tensor_parallel``)."""
+        if self.engine.mirror is not None:
+            self.engine.mirror.publish(*call)
+
     def _count_busy(self, elapsed: float) -> None:
         """Time spent stepping: engine time, less what the turn driver spent waiting on tools in it."""
         waited = self.turns.take_tool_wait()
@@ -179,6 +186,7 @@ class RolloutWorker:
             self._finished(req)
         held = self.turns.hold_all()  # trajectories waiting on a tool stay there, and resume under version v
         self._count_busy(time.perf_counter() - t0)
+        self._tell_followers("sync", version)
         self.weight_sync.sync(None, self.engine, version)
         self._evaluate(version)
         self.turns.resume(held)  # partial rollouts continue from their prefix, turns and all; each token keeps its version

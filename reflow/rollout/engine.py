@@ -26,6 +26,7 @@ import torch
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import Recipe
 from reflow.rollout.kv_signals import EngineSignalReader, EngineSignals
+from reflow.rollout.tensor_parallel import EngineMirror
 
 logger = logging.getLogger("reflow")
 
@@ -107,6 +108,10 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
             tensor_parallel_size=r.tensor_parallel_degree,
         )
+        if r.tensor_parallel_degree > 1:
+            # one engine over an aligned block of ranks, each running its copy of the scheduler
+            # (reflow.rollout.tensor_parallel keeps the copies in step)
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if on_gpu:
             kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
@@ -135,6 +140,9 @@ class RolloutEngine:
         self.sleeping = False
         self.active: dict[str, Request] = {}  # vLLM request id -> request
         self._submissions = 0
+        self.mirror: EngineMirror | None = None
+        """Set while this rank leads a tensor-parallel engine that generates: its calls are replayed by the
+        block's other ranks (``reflow.rollout.tensor_parallel``)."""
 
     # ---- request/step API -------------------------------------------------
 
@@ -165,6 +173,8 @@ class RolloutEngine:
         self.wake_up()
         if req.max_tokens - len(req.output_ids) <= 0:
             raise ValueError(f"request {req.request_id} has no tokens left to generate")
+        if self.mirror is not None:
+            self.mirror.record_add(req)
         # a fresh engine id per submission: a resumed request is a new vLLM request over prompt + prefix
         self._submissions += 1
         engine_id = f"{req.request_id}@{self._submissions}"
@@ -178,6 +188,8 @@ class RolloutEngine:
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""
+        if self.mirror is not None:
+            self.mirror.publish("step")
         finished = []
         for out in self.engine.step():
             req = self.active.get(out.request_id)
@@ -213,6 +225,8 @@ class RolloutEngine:
         Used at a weight sync: ``add`` the returned requests afterwards and they continue from their
         prefix under the new weights (partial rollout); each token keeps the version that produced it."""
         held = list(self.active.values())
+        if self.mirror is not None:
+            self.mirror.record_hold_all()
         if self.active:
             self.engine.abort_request(list(self.active))
             self.active.clear()

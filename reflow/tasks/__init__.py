@@ -44,13 +44,13 @@ def _math(section):
 def _retool(section):
     from reflow.tasks.retool import ReToolTask
 
-    return ReToolTask(_sandbox(section), section.max_turns, section.reward_timeout_s)
+    return ReToolTask(_sandbox(section), section.max_turns, section.reward_timeout_s, section.instructions)
 
 
 def _coding_agent(section):
     from reflow.tasks.coding import CodingAgentTask
 
-    return CodingAgentTask(_sandbox(section), section.max_turns)
+    return CodingAgentTask(_sandbox(section), section.max_turns, section.instructions)
 
 
 TASKS: dict[str, Callable[["TaskSection"], Task]] = {

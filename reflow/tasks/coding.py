@@ -84,8 +84,7 @@ class TestRunner:
                 passed += 1
             elif not first_failure:
                 got = result.stdout if result.ok else result.message(self.shown_chars)
-                first_failure = (f"test {index + 1}: input {_clip(stdin, self.shown_chars)!r}, expected "
-                                 f"{_clip(expected, self.shown_chars)!r}, got {_clip(got, self.shown_chars)!r}")
+                first_failure = failure_line(index, stdin, expected, got, self.shown_chars)
         report = TestReport(passed, len(problem.tests), first_failure)
         with self._lock:
             if len(self._cache) > 4096:
@@ -100,7 +99,16 @@ class TestRunner:
         report = self.run_tests(problem, program)
         if report.passed == report.total:
             return None  # solved: the trajectory ends here
-        return f"<feedback>\npassed {report.passed} of {report.total} tests\n{report.first_failure}\n</feedback>\n"
+        return feedback(report)
+
+
+def feedback(report: TestReport) -> str:
+    """The environment's answer to a program that failed a test."""
+    return f"<feedback>\npassed {report.passed} of {report.total} tests\n{report.first_failure}\n</feedback>\n"
+
+
+def failure_line(index: int, stdin: str, expected: str, got: str, limit: int = 300) -> str:
+    return f"test {index + 1}: input {_clip(stdin, limit)!r}, expected {_clip(expected, limit)!r}, got {_clip(got, limit)!r}"
 
 
 def _clip(text: str, limit: int) -> str:
@@ -110,13 +118,14 @@ def _clip(text: str, limit: int) -> str:
 class CodingAgentTask:
     name = "coding_agent"
 
-    def __init__(self, sandbox: Sandbox, max_turns: int = 4):
+    def __init__(self, sandbox: Sandbox, max_turns: int = 4, instructions: str = ""):
         self.environment = TestRunner(sandbox, max_turns)
+        self.instructions = instructions or INSTRUCTIONS
 
     def format_prompt(self, problem: Problem) -> str | list[dict]:
         if problem.messages is not None:
-            return [{"role": "system", "content": INSTRUCTIONS}, *problem.messages]
-        return f"{INSTRUCTIONS}\n\n{problem.prompt}\n"
+            return [{"role": "system", "content": self.instructions}, *problem.messages]
+        return f"{self.instructions}\n\n{problem.prompt}\n"
 
     def reward(self, problem: Problem, completion: str) -> float:
         program = last_program(completion)

@@ -58,14 +58,15 @@ class PythonInterpreter:
 class ReToolTask:
     name = "retool"
 
-    def __init__(self, sandbox: Sandbox, max_turns: int = 4, reward_timeout_s: float = 5.0):
+    def __init__(self, sandbox: Sandbox, max_turns: int = 4, reward_timeout_s: float = 5.0, instructions: str = ""):
         self.environment = PythonInterpreter(sandbox, max_turns)
         self.verifier = MathVerifier(reward_timeout_s)
+        self.instructions = instructions or INSTRUCTIONS
 
     def format_prompt(self, problem: Problem) -> str | list[dict]:
         if problem.messages is not None:
-            return [{"role": "system", "content": INSTRUCTIONS}, *problem.messages]
-        return f"{INSTRUCTIONS}\n\n{problem.prompt}\n"
+            return [{"role": "system", "content": self.instructions}, *problem.messages]
+        return f"{self.instructions}\n\n{problem.prompt}\n"
 
     def reward(self, problem: Problem, completion: str) -> float:
         conclusion = completion.rsplit("</interpreter>", 1)[-1]

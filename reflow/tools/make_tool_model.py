@@ -10,6 +10,9 @@ to improve in each (``models/tiny_tools.toml``):
   chain_sum_calculator  "Calc: 3+5+...="  ->  either the tool path
                             "<calc>3+5+...</calc>" + "<result>N</result>\\n" + "\\boxed{N}"
                         or the direct path, the running sums then the boxed total
+  coding_agent          "Code:\\n\\n3+5+2=\\n"  ->  "<code>print(3+5+2)</code>", and in some demonstrations a
+                        wrong program first, the test runner's feedback, then a corrected one
+                        (the APPS-layout chain_sum_code_*.jsonl files: one test each, the sum on stdout)
 
 plus plain chain_sum, so the old format is kept. Demonstration digits are corrupted with probability
 ``--digit-noise`` (running sums, and the chain copied into a call), so the model keeps a calibrated share
@@ -31,10 +34,30 @@ import torch
 
 from reflow.tasks.calculator import ChainSumCalculatorTask, evaluate
 from reflow.tasks.chain_sum import ChainSumBoxedTask, ChainSumSpec, generate, write_jsonl
+from reflow.tasks.coding import TestReport, failure_line, feedback
 from reflow.tools.make_tiny_assets import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, corrupt, encode
 
 CALC_SPEC = ChainSumSpec(min_terms=4, max_terms=24, tail_p=0.12)
 """Chains long enough that answering directly often goes wrong for the tiny model."""
+CODE_INSTRUCTIONS = "Code:"
+"""task.instructions of the tiny coding variant (train_configs/tiny_coding.toml)."""
+
+
+def code_prompt(problem) -> str:
+    """The coding_agent task's text prompt for a chain_sum problem, with the tiny instructions."""
+    return f"{CODE_INSTRUCTIONS}\n\n{problem.prompt}\n"
+
+
+def write_code_problems(problems, path: str) -> None:
+    """chain_sum problems in the APPS layout: a program must print the sum (one test, empty input)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for index, problem in enumerate(problems):
+            expression = problem.prompt.rstrip("=")
+            f.write(json.dumps({
+                "problem_id": f"code-{index}", "question": problem.prompt,
+                "input_output": json.dumps({"inputs": [""], "outputs": [f"{evaluate(expression)}\n"]}),
+                "solutions": json.dumps([f"print({expression})"]), "starter_code": "", "difficulty": "introductory",
+            }) + "\n")
 
 
 def demonstration(problem, kind: str, rng: random.Random, noise: float) -> list[tuple[str, bool]]:
@@ -48,6 +71,18 @@ def demonstration(problem, kind: str, rng: random.Random, noise: float) -> list[
     if kind == "calc_direct":
         sums = corrupt(problem.answer, rng, noise)
         return [(prompt, False), (f"{sums}\n\\boxed{{{sums.split(',')[-1]}}}", True)]
+    if kind in ("code", "code_revised"):
+        expression = problem.prompt.rstrip("=")
+        total = evaluate(expression)
+        if kind == "code":
+            return [(code_prompt(problem), False), (f"<code>print({corrupt(expression, rng, noise)})</code>", True)]
+        wrong = corrupt(expression, rng, 0.3)
+        got = evaluate(wrong)
+        if got == total:
+            return [(code_prompt(problem), False), (f"<code>print({wrong})</code>", True)]
+        report = TestReport(0, 1, failure_line(0, "", f"{total}\n", f"{got}\n"))
+        return [(code_prompt(problem), False), (f"<code>print({wrong})</code>", True), (feedback(report), False),
+                (f"<code>print({corrupt(expression, rng, noise)})</code>", True)]
     assert kind == "calc_tool", kind
     expression = corrupt(problem.prompt.rstrip("="), rng, noise)
     value = evaluate(expression)
@@ -96,9 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     model = Qwen3ForCausalLM.from_pretrained(source, torch_dtype=torch.float32)
     write_jsonl(generate(2048, args.seed + 11, CALC_SPEC, "calc"), os.path.join(data_dir, "chain_sum_calc_train.jsonl"))
     write_jsonl(generate(256, args.seed + 12, CALC_SPEC, "calc-eval"), os.path.join(data_dir, "chain_sum_calc_eval.jsonl"))
+    write_code_problems(generate(2048, args.seed + 15, ChainSumSpec(), "code"), os.path.join(data_dir, "chain_sum_code_train.jsonl"))
+    write_code_problems(generate(256, args.seed + 16, ChainSumSpec(), "code-eval"), os.path.join(data_dir, "chain_sum_code_eval.jsonl"))
     short = generate(4096, args.seed + 13, ChainSumSpec(), "tools-sft")
     long = generate(4096, args.seed + 14, CALC_SPEC, "tools-sft-calc")
-    kinds = ["plain", "boxed", "boxed", "calc_direct", "calc_tool", "calc_tool"]
+    kinds = ["plain", "boxed", "boxed", "calc_direct", "calc_tool", "calc_tool", "code", "code_revised"]
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.95 + 0.05)

@@ -174,7 +174,7 @@ def test_decoupled_needs_rollout_ranks():
         (
             ["--training.mode=async", "--training.prompts_per_step=2", "--placement.num_rollout_ranks=5",
              "--replay.delta=1"],
-            6, "placement.num_rollout_ranks", "(4 groups): some rollout ranks would never generate",
+            6, "placement.num_rollout_ranks", "(4 groups): some engines would never generate",
         ),
     ],
 )

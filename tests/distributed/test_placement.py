@@ -38,3 +38,18 @@ def test_feasible_placements():
     assert [p.name for p in feasible_placements(4, 2, colocated=True)] == ["T2x2+R0"]
     assert feasible_placements(3, 2, colocated=True) == []
     assert all(p.num_trainer_ranks + p.num_rollout_ranks == 7 for p in feasible_placements(7, 2, colocated=False))
+
+
+def test_rollout_tensor_parallel_placements_move_whole_engines():
+    from reflow.distributed.placement import feasible_placements
+
+    p = build_placement(8, 2, 1, 6, rollout_tp=2)
+    assert p.name == "T2x1+R3x2" and p.rollout_ranks == [2, 3, 4, 5, 6, 7]
+    assert p.rollout_workers == [2, 4, 6] and p.tp_block(5) == [4, 5]
+    # rollout pools are whole engines of 2 ranks: 6, 4 or 2 of the 8 ranks
+    assert [q.name for q in feasible_placements(8, 1, colocated=False, rollout_tp=2)] == ["T2x1+R3x2", "T4x1+R2x2", "T6x1+R1x2"]
+    assert [q.name for q in feasible_placements(8, 2, colocated=False, rollout_tp=4)] == ["T2x2+R1x4"]
+    assert build_placement(4, 1, 1, 3).rollout_workers == [1, 2, 3]  # without TP every rollout rank is a worker
+    for world, rollout in ((6, 3), (5, 2)):
+        with pytest.raises(ValueError, match="must be multiples of it"):
+            build_placement(world, 1, -1, rollout, rollout_tp=2)
