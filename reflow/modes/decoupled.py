@@ -57,7 +57,8 @@ Invariants the argument uses. (I1) A sample's birth version (oldest token) is th
 admitted under: the first-token rule at SyncWeights. (I2) Commands arrive in the order sent, and a rollout
 rank admits what a Progress grants before it applies the next command, unless its admission gate (the
 scheduler's concurrency cap or KV rule, async and reflow only) holds a group back; the gate only does so
-while the engine has requests in flight, so the group starts after finitely many engine steps, under
+while trajectories are in flight (in the engine, or at a tool, whose calls end within the sandbox's or the
+tool's time limit), so the group starts after finitely many engine steps, under
 weights at least as new: later and fresher, never staler. So the room granted after step s
 is admitted after the SyncWeights of step s and before the next one: on weights no older than s - (k - 1),
 and, with k = 1, exactly s. (I3) Every shard owns a fixed share of each limit (whole groups),

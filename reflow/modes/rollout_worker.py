@@ -9,8 +9,8 @@
                             Stop            drop what is in flight and leave
           2. admit        whole groups, while the dispatch budget has room on some trainer shard and the
                           admission gate lets the next one in (``reflow.rollout.admission``: the
-                          concurrency cap, and with scheduler.kv_admission the KV rule; an empty engine
-                          always admits); also right after each Progress, before the next command. A
+                          concurrency cap, and with scheduler.kv_admission the KV rule, both counting the
+                          trajectories waiting on a tool; a worker with nothing in flight always admits); also right after each Progress, before the next command. A
                           group's destination shard is fixed here
           3. generate     one engine step (``reflow.rollout.turns``: a trajectory that calls a tool waits for its
                           environment off the engine, and re-enters it with the answer); a finished group is
@@ -112,7 +112,7 @@ class RolloutWorker:
             self.task, self.tokenizer, self.group_size, cfg.training.normalize_adv_std, cfg.training.advantage_eps, rollout_index
         )
         self.busy_idle = BusyIdle()
-        self.gate = AdmissionGate(cfg, self.engine, self.group_size)
+        self.gate = AdmissionGate(cfg, self.engine, self.group_size, self.turns)
         self._next_group: tuple | None = None  # ((draw, version), its requests) while it waits on the gate
         self.commands: deque = deque()
         self.ledger: dict = {"started": [], "sent": [], "dropped_at_stop": []}
@@ -229,8 +229,8 @@ class RolloutWorker:
                 )
             requests = self._next_group[1]
             if not self.gate.allows(len(requests[0].prompt_ids)):
-                return  # it waits for the next engine step (the engine has requests in flight: the gate
-                # admits anything into an empty engine)
+                return  # it waits for the next step (trajectories are in flight, in the engine or at a tool:
+                # the gate admits anything when nothing is)
             self.share.take()
             self._next_group = None
             now = time.time()

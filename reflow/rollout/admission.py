@@ -8,6 +8,9 @@ decision objects (``reflow.scheduler.concurrency``):
   KV rule    with scheduler.kv_admission, ``KVAdmission``: the group's estimate plus the predicted KV
              tokens of the groups in flight within rho x the engine's KV budget.
 
+Trajectories of a multi-turn task that wait on their environment (``reflow.rollout.turns``) have left the
+engine, but they come back with their whole prefix: the cap and the KV rule count them as in flight.
+
 The gate also keeps the window statistics the worker reports to trainer rank 0 with its busy/idle
 seconds: the cap, the mean KV usage over engine steps, preemptions, groups admitted, and refusals (one per
 admission attempt the gate turned down: a group waits on it, and the worker retries after the next step).
@@ -18,6 +21,8 @@ from __future__ import annotations
 import time
 
 from reflow.config.job_config import JobConfig
+from typing import TYPE_CHECKING
+
 from reflow.rollout.engine import RolloutEngine
 from reflow.scheduler.dispatch import WorkerReport
 from reflow.scheduler.concurrency import (
@@ -30,11 +35,16 @@ from reflow.scheduler.concurrency import (
     groups_in_flight,
 )
 
+if TYPE_CHECKING:
+    from reflow.rollout.turns import TurnDriver
+
 
 class AdmissionGate:
-    def __init__(self, cfg: JobConfig, engine: RolloutEngine, group_size: int):
+    def __init__(self, cfg: JobConfig, engine: RolloutEngine, group_size: int, turns: "TurnDriver | None" = None):
         scheduler = cfg.scheduler
         self.engine = engine
+        self.turns = turns
+        """The worker's turn driver, whose trajectories waiting on a tool count as in flight (None: the engine's only)."""
         self.group_size = group_size
         max_cap = cfg.rollout.max_num_seqs
         self.lengths = ResponseLengths(scheduler.response_percentile, window=256, initial=cfg.rollout.max_new_tokens)
@@ -61,13 +71,17 @@ class AdmissionGate:
 
     def groups_in_flight(self) -> list[tuple[int, list[int]]]:
         """(prompt length, tokens generated per sequence) of every group in flight."""
-        return groups_in_flight((req.meta["group"], len(req.prompt_ids), len(req.output_ids)) for req in self.engine.active.values())
+        return groups_in_flight((req.meta["group"], len(req.prompt_ids), len(req.output_ids)) for req in self._in_flight())
+
+    def _in_flight(self) -> list:
+        waiting = list(self.turns.waiting.values()) if self.turns is not None else []
+        return list(self.engine.active.values()) + waiting
 
     def allows(self, prompt_len: int) -> bool:
         """May a group with this prompt start now? Counts the answer."""
         self.last_prompt_len = prompt_len
         refusal = self.rule.refuses(
-            self.engine.num_active, self.engine.signals.kv_budget_tokens, prompt_len, self.group_size, self.groups_in_flight
+            len(self._in_flight()), self.engine.signals.kv_budget_tokens, prompt_len, self.group_size, self.groups_in_flight
         )
         self.window["gate_refusals" if refusal else "admitted_groups"] += 1
         return refusal is None
@@ -78,7 +92,7 @@ class AdmissionGate:
         if self.rule.kv_rule is None:
             return None
         load, estimate = self.rule.load(
-            self.engine.num_active, self.engine.signals.kv_budget_tokens, self.last_prompt_len, self.group_size,
+            len(self._in_flight()), self.engine.signals.kv_budget_tokens, self.last_prompt_len, self.group_size,
             self.groups_in_flight(),
         )
         return WorkerReport(load, estimate, started)

@@ -264,7 +264,7 @@ class AdmissionRule:
     ) -> str | None:
         """Why a group with this prompt may not start now ("cap" or "kv"), or None. ``groups_in_flight`` lists
         (prompt length, tokens generated per sequence) of the groups in flight (asked only for the KV rule).
-        An empty engine always admits. A refusal by the cap tells the controller its cap binds."""
+        A worker with nothing in flight always admits. A refusal by the cap tells the controller its cap binds."""
         if in_flight == 0:
             return None
         if in_flight + group_size > self.cap:
