@@ -1,8 +1,12 @@
-"""Score a Hugging Face policy folder on a task's eval file with the embedded vLLM engine.
+"""Score a Hugging Face policy folder on a training config's task and eval file with the embedded vLLM engine.
 
-    python -m reflow.bench.evaluate --hf outputs/bench/reflow/hf_final [--num-prompts 256 --samples 4]
+    python -m reflow.bench.evaluate --config train_configs/tiny_retool.toml [--hf outputs/x/hf_final]
+                                    [--num-prompts 256 --samples 4 --out result.json]
 
-Prints one JSON line: mean reward over num_prompts x samples completions at the rollout temperature.
+The task, its environment (turn limit, sandbox limits), the eval file and the rollout settings come from the
+config; --hf replaces the model (default: the config's). Prints one JSON object: the mean reward over
+num_prompts x samples completions at the rollout temperature, the solved fraction, and for a multi-turn task
+the tool calls per completion.
 """
 
 from __future__ import annotations
@@ -12,43 +16,52 @@ import json
 import sys
 
 
-def evaluate(hf_dir: str, eval_file: str, task_name: str, num_prompts: int, samples: int, seed: int, max_new_tokens: int) -> dict:
-    from reflow.config.job_config import JobConfig
-    from reflow.model.recipe import load_recipe
+def evaluate(config: str, hf_dir: str, num_prompts: int, samples: int, seed: int) -> dict:
+    from reflow.config import ConfigManager
+    from reflow.model.recipe import load_recipe, resolve_path
     from reflow.modes.rollouts import PromptTokenizer, make_group_requests, score
     from reflow.rollout.engine import RolloutEngine
     from reflow.rollout.turns import TurnDriver
     from reflow.tasks import build_task, load_problems
 
-    cfg = JobConfig()
-    cfg.rollout.max_new_tokens = max_new_tokens
-    cfg.task.name = task_name
-    engine = RolloutEngine(cfg, load_recipe("tiny"), hf_dir, seed=seed)
-    tok = PromptTokenizer(hf_dir)
+    cfg = ConfigManager().parse_args(["--config", config])
+    recipe = load_recipe(cfg.model.recipe)
+    hf_dir = resolve_path(hf_dir or cfg.model.hf_checkpoint or recipe.hf_checkpoint)
+    engine = RolloutEngine(cfg, recipe, hf_dir, seed=seed)
+    tok = PromptTokenizer(hf_dir, cfg.task.chat)
     task = build_task(cfg.task)
-    problems = load_problems(eval_file)[:num_prompts]
-    reqs = [r for i, p in enumerate(problems) for r in make_group_requests(p, i, task, tok, samples, max_new_tokens, seed, 0)]
-    done = score(TurnDriver(engine, task.environment, tok).generate(reqs), task, tok)
+    problems = load_problems(resolve_path(cfg.task.eval_file), "task.eval_file")[:num_prompts]
+    requests = [
+        r for i, p in enumerate(problems)
+        for r in make_group_requests(p, i, task, tok, samples, cfg.rollout.max_new_tokens, seed, 0)
+    ]
+    done = score(TurnDriver(engine, task.environment, tok, cfg.task.tool_workers).generate(requests), task, tok)
     rewards = [s.reward for s in done]
     return {
+        "config": config,
         "hf": hf_dir,
+        "task": cfg.task.name,
         "num_completions": len(rewards),
         "reward_mean": sum(rewards) / len(rewards),
         "solved_frac": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "tool_calls_mean": sum(s.tool_calls for s in done) / len(done),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--eval-file", default="assets/data/chain_sum_eval.jsonl")
-    ap.add_argument("--task", default="chain_sum")
+    ap.add_argument("--config", default="train_configs/tiny.toml")
+    ap.add_argument("--hf", default="", help="the policy to score (default: the config's model)")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="", help="also write the JSON here")
     a = ap.parse_args(argv)
-    print(json.dumps(evaluate(a.hf, a.eval_file, a.task, a.num_prompts, a.samples, a.seed, a.max_new_tokens)))
+    result = evaluate(a.config, a.hf, a.num_prompts, a.samples, a.seed)
+    print(json.dumps(result))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
     return 0
 
 

@@ -75,7 +75,8 @@ def run_mode(mode: str, args, overrides: list[str]) -> dict:
 
 def evaluate_policy(hf_dir: str, env: dict) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "reflow.bench.evaluate", "--hf", hf_dir], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "reflow.bench.evaluate", "--config", "train_configs/bench_modes.toml", "--hf", hf_dir],
+        cwd=ROOT, env=env, capture_output=True, text=True,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"evaluation of {hf_dir} failed:\n{proc.stderr[-3000:]}")

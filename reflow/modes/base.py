@@ -224,8 +224,9 @@ class ModeBase:
         """Metrics of one step over the trainer ranks (all ranks in colocated modes).
 
         Rewards and lengths describe ``new_samples`` (first use: what the current policy generates);
-        token throughput counts everything ``trained`` on (fresh and replayed); tool calls per sample and
-        seconds per tool call (environment time, apart from engine time) too. ``staleness_counts[k]``
+        token throughput counts everything ``trained`` on (fresh and replayed); tool calls per sample, seconds
+        per tool call (environment time, apart from engine time) and the share of response tokens the
+        environment wrote (in context, never trained on) too. ``staleness_counts[k]``
         is how many trained samples were k versions older than the policy ``trained_version`` they
         trained."""
         samples = new_samples
@@ -249,6 +250,7 @@ class ModeBase:
                 sum(1 for s in samples if s.finish_reason == "length"),
                 sum(s.tool_calls for s in samples),
                 sum(s.tool_s for s in samples),
+                sum(len(s.output_ids) - len(s.logprobs) for s in samples),
                 *staleness,
             ],
             dtype=torch.float64,
@@ -259,7 +261,7 @@ class ModeBase:
         n = max(vec[2].item(), 1.0)
         step_time = timer.elapsed()
         mean = vec[0].item() / n
-        staleness_counts = [int(x) for x in vec[9:].tolist()]
+        staleness_counts = [int(x) for x in vec[10:].tolist()]
         return {
             "reward_mean": mean,
             "reward_std": max(vec[1].item() / n - mean * mean, 0.0) ** 0.5,
@@ -278,6 +280,7 @@ class ModeBase:
             "truncated_frac": vec[6].item() / n,
             "tool_calls_mean": vec[7].item() / n,
             "tool_latency_s": vec[8].item() / max(vec[7].item(), 1.0),
+            "env_token_frac": vec[9].item() / max(vec[3].item(), 1.0),
             "gen_time_s": timer.get("gen"),
             "train_time_s": timer.get("train"),
             "weight_sync_s": timer.get("sync"),

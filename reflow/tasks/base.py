@@ -60,6 +60,14 @@ class Task(Protocol):
         ...
 
 
+def with_instructions(instructions: str, problem: Problem) -> str | list[dict]:
+    """A prompt with a task's instructions first: a system message before a chat row's messages, or a paragraph
+    before a text row's problem."""
+    if problem.messages is not None:
+        return [{"role": "system", "content": instructions}, *problem.messages]
+    return f"{instructions}\n\n{problem.prompt}\n"
+
+
 def epoch_order(num_problems: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
     """The problems' order in one epoch of the run's stream: a seeded permutation per epoch, or the file's
     order (task.shuffle = false: a curriculum, or a workload that drifts)."""

@@ -20,8 +20,8 @@ import threading
 from dataclasses import dataclass
 
 from reflow.envs.sandbox import Sandbox, SandboxResult
-from reflow.tasks.base import Problem
-from reflow.tasks.retool import FENCE
+from reflow.tasks.base import Problem, with_instructions
+from reflow.tasks.retool import unfenced
 
 INSTRUCTIONS = (
     "Write a Python 3 program that reads the input from standard input and prints the answer. "
@@ -36,11 +36,7 @@ ANY_CODE = re.compile(r"<code>(.*?)</code>", re.DOTALL)
 def last_program(transcript: str) -> str | None:
     """The last ``<code>...</code>`` block anywhere in the transcript (a Markdown fence inside is removed)."""
     blocks = list(ANY_CODE.finditer(transcript))
-    if not blocks:
-        return None
-    code = blocks[-1].group(1)
-    fenced = FENCE.match(code)
-    return fenced.group(1) if fenced else code.strip("\n")
+    return unfenced(blocks[-1].group(1)) if blocks else None
 
 
 @dataclass(frozen=True)
@@ -123,9 +119,7 @@ class CodingAgentTask:
         self.instructions = instructions or INSTRUCTIONS
 
     def format_prompt(self, problem: Problem) -> str | list[dict]:
-        if problem.messages is not None:
-            return [{"role": "system", "content": self.instructions}, *problem.messages]
-        return f"{self.instructions}\n\n{problem.prompt}\n"
+        return with_instructions(self.instructions, problem)
 
     def reward(self, problem: Problem, completion: str) -> float:
         program = last_program(completion)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from reflow.envs.sandbox import Sandbox
-from reflow.tasks.base import Problem
+from reflow.tasks.base import Problem, with_instructions
 from reflow.tasks.math_verify_reward import MathVerifier, boxed_reward
 
 INSTRUCTIONS = (
@@ -27,14 +27,16 @@ CODE = re.compile(r"<code>(.*?)</code>\s*$", re.DOTALL)
 FENCE = re.compile(r"^\s*```(?:python|py)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
 
 
-def last_code_block(transcript: str) -> str | None:
-    """The code of the ``<code>...</code>`` block that ends the transcript (a Markdown fence inside is removed)."""
-    match = CODE.search(transcript)
-    if match is None:
-        return None
-    code = match.group(1)
+def unfenced(code: str) -> str:
+    """A code block's code, without a Markdown fence around it."""
     fenced = FENCE.match(code)
     return fenced.group(1) if fenced else code.strip("\n")
+
+
+def last_code_block(transcript: str) -> str | None:
+    """The code of the ``<code>...</code>`` block that ends the transcript."""
+    match = CODE.search(transcript)
+    return unfenced(match.group(1)) if match is not None else None
 
 
 class PythonInterpreter:
@@ -64,9 +66,7 @@ class ReToolTask:
         self.instructions = instructions or INSTRUCTIONS
 
     def format_prompt(self, problem: Problem) -> str | list[dict]:
-        if problem.messages is not None:
-            return [{"role": "system", "content": self.instructions}, *problem.messages]
-        return f"{self.instructions}\n\n{problem.prompt}\n"
+        return with_instructions(self.instructions, problem)
 
     def reward(self, problem: Problem, completion: str) -> float:
         conclusion = completion.rsplit("</interpreter>", 1)[-1]

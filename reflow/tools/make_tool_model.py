@@ -34,6 +34,7 @@ import torch
 
 from reflow.tasks.calculator import ChainSumCalculatorTask, evaluate
 from reflow.tasks.chain_sum import ChainSumBoxedTask, ChainSumSpec, generate, write_jsonl
+from reflow.tasks.base import with_instructions
 from reflow.tasks.coding import TestReport, failure_line, feedback
 from reflow.tools.make_tiny_assets import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, corrupt, encode
 
@@ -41,11 +42,6 @@ CALC_SPEC = ChainSumSpec(min_terms=4, max_terms=24, tail_p=0.12)
 """Chains long enough that answering directly often goes wrong for the tiny model."""
 CODE_INSTRUCTIONS = "Code:"
 """task.instructions of the tiny coding variant (train_configs/tiny_coding.toml)."""
-
-
-def code_prompt(problem) -> str:
-    """The coding_agent task's text prompt for a chain_sum problem, with the tiny instructions."""
-    return f"{CODE_INSTRUCTIONS}\n\n{problem.prompt}\n"
 
 
 def write_code_problems(problems, path: str) -> None:
@@ -75,13 +71,13 @@ def demonstration(problem, kind: str, rng: random.Random, noise: float) -> list[
         expression = problem.prompt.rstrip("=")
         total = evaluate(expression)
         if kind == "code":
-            return [(code_prompt(problem), False), (f"<code>print({corrupt(expression, rng, noise)})</code>", True)]
+            return [(with_instructions(CODE_INSTRUCTIONS, problem), False), (f"<code>print({corrupt(expression, rng, noise)})</code>", True)]
         wrong = corrupt(expression, rng, 0.3)
         got = evaluate(wrong)
         if got == total:
-            return [(code_prompt(problem), False), (f"<code>print({wrong})</code>", True)]
+            return [(with_instructions(CODE_INSTRUCTIONS, problem), False), (f"<code>print({wrong})</code>", True)]
         report = TestReport(0, 1, failure_line(0, "", f"{total}\n", f"{got}\n"))
-        return [(code_prompt(problem), False), (f"<code>print({wrong})</code>", True), (feedback(report), False),
+        return [(with_instructions(CODE_INSTRUCTIONS, problem), False), (f"<code>print({wrong})</code>", True), (feedback(report), False),
                 (f"<code>print({corrupt(expression, rng, noise)})</code>", True)]
     assert kind == "calc_tool", kind
     expression = corrupt(problem.prompt.rstrip("="), rng, noise)
