@@ -219,7 +219,7 @@ def build_components(
         trainer=trainer,
         trainer_group=trainer_group,
         engine=engine,
-        turns=TurnDriver(engine, task.environment, tokenizer, cfg.task.tool_workers),
+        turns=TurnDriver(engine, task, tokenizer, cfg.task.tool_workers),
         weight_sync=weight_sync,
         task=task,
         tokenizer=tokenizer,

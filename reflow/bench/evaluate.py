@@ -35,7 +35,7 @@ def evaluate(config: str, hf_dir: str, num_prompts: int, samples: int, seed: int
         r for i, p in enumerate(problems)
         for r in make_group_requests(p, i, task, tok, samples, cfg.rollout.max_new_tokens, seed, 0)
     ]
-    done = score(TurnDriver(engine, task.environment, tok, cfg.task.tool_workers).generate(requests), task, tok)
+    done = score(TurnDriver(engine, task, tok, cfg.task.tool_workers).generate(requests), task, tok)
     rewards = [s.reward for s in done]
     return {
         "config": config,

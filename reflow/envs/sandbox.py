@@ -22,7 +22,12 @@ outermost first (``isolation`` names the ones this host allows):
 
 What comes back is a ``SandboxResult``: the status (ok, error, timeout, cpu_limit, memory_limit,
 output_limit, refused, killed), the first ``output_bytes`` of stdout and stderr, and ``message()``, the
-text a model is shown. Hostile code gets that message; it never gets the host.
+text a model is shown. Hostile code gets that message (``tests/envs/test_sandbox.py`` runs the battery).
+
+What it is not: a container. There is no mount namespace or seccomp filter, so where the child cannot drop
+to ``nobody`` (a Python installation only root can read) the file rules rest on the audit hook alone,
+which guards Python's own calls; a native extension already importable could get past it. Run RL on code
+from untrusted models on hosts where ``nobody`` can read the Python installation, or inside a container.
 """
 
 from __future__ import annotations
@@ -54,8 +59,10 @@ class SandboxLimits:
     """Largest file the program may write, stdout and stderr included (RLIMIT_FSIZE)."""
     output_bytes: int = 4096
     """Bytes of stdout and of stderr kept for the result (the rest is cut, and the result says so)."""
-    processes: int = 32
-    """Processes the sandbox user may have (RLIMIT_NPROC; enforced when the child runs as nobody)."""
+    processes: int = 256
+    """Processes of the sandbox user, all its runs on the host together (RLIMIT_NPROC counts per user; enforced
+    when the child runs as nobody): a bound on a fork bomb, not a per-run quota. Where the child stays
+    root, it may start none at all."""
     open_files: int = 64
     """Open file descriptors (RLIMIT_NOFILE)."""
 

@@ -15,7 +15,10 @@ Before the code runs, in this order:
      imports need). A refused call raises PermissionError naming what was refused.
 
 Under the parent's namespaces (``unshare``, when the host allows) the code also has no network devices
-and its own PID space, so the parent's processes do not exist for it.
+and its own PID space, so the parent's processes do not exist for it. The hook guards Python's own
+calls (relative paths resolve against a current directory that never leaves the working directory, and
+no folder outside it can be opened for a ``dir_fd``); native code it cannot see is kept out by refusing
+ctypes and ``_posixsubprocess``.
 """
 
 import json
@@ -27,6 +30,10 @@ import sys
 
 def _limit(name: str, value: int, hard: int | None = None) -> None:
     resource.setrlimit(getattr(resource, name), (value, value if hard is None else hard))
+
+
+UNAUDITED = ("_posixsubprocess",)
+"""Native modules that start programs without raising an audit event (subprocess's fork_exec)."""
 
 
 def _install_guard(workdir: str, refuse_processes: bool) -> None:
@@ -47,13 +54,17 @@ def _install_guard(workdir: str, refuse_processes: bool) -> None:
             return None
         if isinstance(arg, bytes):
             arg = os.fsdecode(arg)
-        return os.path.join(workdir, arg) if isinstance(arg, str) else None
+        # a relative path is relative to the current directory, which never leaves the working directory
+        # (os.chdir is refused outside it); a directory descriptor (dir_fd) can only be one of the working
+        # directory's (opening a directory outside it is refused)
+        return os.path.join(os.getcwd(), arg) if isinstance(arg, str) else None
 
     def refuse(what: str):
         raise PermissionError(f"sandbox: {what} is not allowed")
 
     writes = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
-              "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move", "os.chflags"}
+              "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move", "os.chflags",
+              "os.mkfifo", "os.mknod", "os.lchown", "os.lchmod"}
     programs = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn", "os.startfile"}
 
     def guard(event: str, args: tuple) -> None:
@@ -66,6 +77,8 @@ def _install_guard(workdir: str, refuse_processes: bool) -> None:
             writing = any(c in mode for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
             if inside(path, {workdir}):
                 return
+            if not writing and os.path.isdir(path):
+                refuse(f"opening the folder {args[0]!r} (outside the working directory)")
             if not writing and (os.path.realpath(path) in read_devices or inside(path, read_roots)):
                 return
             refuse(f"{'writing' if writing else 'reading'} {args[0]!r} (outside the working directory)")
@@ -74,10 +87,16 @@ def _install_guard(workdir: str, refuse_processes: bool) -> None:
                 path = path_of(arg)
                 if path is not None and not inside(path, {workdir}):
                     refuse(f"{event} on {arg!r} (outside the working directory)")
-        elif event in ("os.listdir", "os.scandir", "os.chdir"):  # imports list the installation's folders
+        elif event in ("os.listdir", "os.scandir"):  # imports list the installation's folders
             path = path_of(args[0] if args and args[0] is not None else ".")
             if path is not None and not inside(path, {workdir} | read_roots):
                 refuse(f"{event} on {args[0]!r} (outside the working directory)")
+        elif event in ("os.chdir", "os.fchdir", "os.chroot"):
+            path = path_of(args[0] if args else None)
+            if path is None or not inside(path, {workdir}):
+                refuse(f"{event} to {args[0] if args else None!r} (outside the working directory)")
+        elif event == "import" and args and args[0] in UNAUDITED:
+            refuse(f"importing {args[0]} (it starts programs without an audit event)")
         elif event.startswith("socket."):
             refuse("network access")
         elif event in ("os.fork", "os.forkpty") and refuse_processes:
@@ -89,6 +108,8 @@ def _install_guard(workdir: str, refuse_processes: bool) -> None:
         elif event in ("os.kill", "os.killpg", "signal.pthread_kill") and args and args[0] != me:
             refuse(f"signalling process {args[0]}")
 
+    for name in [*UNAUDITED, "subprocess", "multiprocessing", "asyncio.subprocess"]:
+        sys.modules.pop(name, None)  # a module already imported would not raise the import event again
     sys.addaudithook(guard)
 
 

@@ -300,7 +300,7 @@ class ModeBase:
     def evaluate(self, num_prompts: int) -> float:
         """Mean reward of one sample per held-out prompt, at the rollout temperature (every rank generates a share)."""
         parts = self.parts
-        total, count = evaluate_share(parts, num_prompts, parts.rank, parts.world_size)
+        total, count = evaluate_share(parts, parts.turns, num_prompts, parts.rank, parts.world_size)
         vec = torch.tensor([total, count], dtype=torch.float64)
         dist.all_reduce(vec)
         return vec[0].item() / max(vec[1].item(), 1.0)

@@ -123,6 +123,7 @@ starts from the resumed version, so their prompts are holes instead.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
@@ -209,7 +210,9 @@ class DecoupledMode(ModeBase):
         mine = None
         for first in range(0, placement.world_size, placement.rollout_tp):
             block = list(range(first, first + placement.rollout_tp))
-            group = dist.new_group(ranks=block, backend="gloo")
+            # a follower waits on its leader's next call for as long as the leader is idle (a long train step,
+            # a checkpoint): no collective timeout there; a leader that dies ends the job through torchrun
+            group = dist.new_group(ranks=block, backend="gloo", timeout=datetime.timedelta(days=365))
             if self.rank in block:
                 mine = EngineMirror(group, first, self.rank)
         return mine
@@ -577,8 +580,8 @@ class DecoupledMode(ModeBase):
         """Every rank, after the step a placement change follows (a sync point; rollout ranks have finished and
         sent everything in flight):
 
-          1. rollout ranks send FLUSH to every trainer rank; trainer ranks drain until they have FLUSH from every
-             rollout rank, so each shard holds every sample addressed to it
+          1. rollout workers send FLUSH to every trainer rank; trainer ranks drain until they have FLUSH from every
+             rollout worker, so each shard holds every sample addressed to it
           2. the trainer resizes (staying ranks keep their shards, joining ranks receive theirs)
           3. leaving trainer ranks hand their buffer to the staying shard of index (their index mod A'); nothing
              else can reach them: every group sent before the change arrived before FLUSH
@@ -595,7 +598,7 @@ class DecoupledMode(ModeBase):
         if self.rank in self.rollout_workers:
             for rank in self.trainer_ranks:
                 self.outbox.put(rank, {"type": "flush"})
-        else:
+        elif self.is_trainer:  # (a tensor-parallel engine's followers sent nothing: they skip this)
             while not set(self.rollout_workers) <= self.flushed:
                 self._receive()
                 time.sleep(0.002)

@@ -34,6 +34,7 @@ from reflow.modes.commands import Progress, Stop, SyncWeights, Transition
 from reflow.modes.rollouts import PromptTokenizer, Sample, assign_advantages, evaluate_share, make_group_requests, score
 from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.engine import Request, RolloutEngine
+from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget
 from reflow.modes.prompts import PromptShare, PromptStream
 from reflow.tasks.base import Task
@@ -76,7 +77,8 @@ class BusyIdle:
     busy_s: float = 0.0
     idle_s: float = 0.0
     tool_wait_s: float = 0.0
-    """Time with an empty engine and trajectories waiting on their environment (neither busy nor idle)."""
+    """Time with an empty engine and trajectories waiting on their environment: reported apart from engine
+    time, and not idle (the idle ratio counts it as working time)."""
     last_report: float = field(default_factory=time.time)
 
 
@@ -102,6 +104,8 @@ class RolloutWorker:
         self.rollout_index, self.num_rollout = rollout_index, num_rollout
         self.engine: RolloutEngine = parts.engine
         self.turns = parts.turns
+        # evaluation runs on a driver of its own: trajectories of the run waiting on a tool stay in ``turns``
+        self.eval_turns = TurnDriver(self.engine, parts.task, parts.tokenizer, cfg.task.tool_workers)
         self.weight_sync = weight_sync
         self.task, self.tokenizer = parts.task, parts.tokenizer
         self.trainer_ranks = trainer_ranks
@@ -201,14 +205,15 @@ class RolloutWorker:
         if not metrics.eval_interval or version % metrics.eval_interval:
             return
         t0 = time.perf_counter()
-        total, count = evaluate_share(self.parts, metrics.eval_num_prompts, self.rollout_index, self.num_rollout)
+        total, count = evaluate_share(self.parts, self.eval_turns, metrics.eval_num_prompts, self.rollout_index, self.num_rollout)
         self.busy_idle.busy_s += time.perf_counter() - t0
         self.outbox.put(self.control.leader, {"type": "eval", "version": version, "reward_sum": total, "count": count})
 
     def _step(self) -> None:
         sequences = self.engine.num_active
         finished = self.turns.step()
-        self.gate.after_step([len(req.output_ids) for req in finished], sequences)
+        if self.turns.stepped:  # (else it waited on a tool: no engine signal to learn from)
+            self.gate.after_step([len(req.output_ids) for req in finished], sequences)
         for req in finished:
             self._finished(req)
 

@@ -90,7 +90,7 @@ def score(requests: list[Request], task: Task, tok: PromptTokenizer) -> list[Sam
                 output_ids=r.output_ids,
                 logprobs=r.logprobs,
                 versions=r.versions,
-                reward=task.reward(problem, tok.decode(r.output_ids)),
+                reward=r.reward if r.reward is not None else task.reward(problem, tok.decode(r.output_ids)),
                 finish_reason=r.finish_reason,
                 model_spans=r.model_spans if task.environment is not None else None,
                 tool_calls=r.tool_calls,
@@ -129,14 +129,15 @@ def to_batch(samples: list[Sample], pad_id: int, weights: list[float] | None = N
     )
 
 
-def evaluate_share(parts, num_prompts: int, index: int, count: int) -> tuple[float, int]:
+def evaluate_share(parts, turns, num_prompts: int, index: int, count: int) -> tuple[float, int]:
     """Share ``index`` of ``count`` of the first ``num_prompts`` held-out prompts, one sample each on this rank's
-    engine, run to completion: (sum of rewards, samples)."""
+    engine, run to completion through ``turns`` (a ``TurnDriver`` holding nothing else): (sum of rewards,
+    samples)."""
     problems = parts.eval_problems[:num_prompts][index::count]
     requests = []
     for problem in problems:
         requests.extend(make_group_requests(
             problem, -1, parts.task, parts.tokenizer, 1, parts.cfg.rollout.max_new_tokens, parts.cfg.job.seed, -1,
         ))
-    samples = score(parts.turns.generate(requests), parts.task, parts.tokenizer) if requests else []
+    samples = score(turns.generate(requests), parts.task, parts.tokenizer) if requests else []
     return sum(s.reward for s in samples), len(samples)

@@ -108,7 +108,7 @@ class AdmissionGate:
         self.window["step_sequences"] += sequences
         if self.controller is not None:
             decision = self.controller.observe(
-                time.perf_counter(), signals.kv_usage, signals.kv_budget_tokens, self.engine.num_active, signals.preemptions
+                time.perf_counter(), signals.kv_usage, signals.kv_budget_tokens, len(self._in_flight()), signals.preemptions
             )
             if decision is not None and decision.reason != "hold":
                 self.decisions.append(decision)

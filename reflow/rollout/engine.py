@@ -73,6 +73,8 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     """The stop string (or token) that ended the latest model turn; None at EOS or the length limit."""
+    reward: float | None = None
+    """Set by ``reflow.rollout.turns`` when it scored the finished trajectory (multi-turn tasks)."""
     tool_calls: int = 0
     tool_s: float = 0.0
     """Wall time the trajectory spent waiting on its environment, apart from engine time."""

@@ -15,7 +15,8 @@ rollout rank does), and the other ranks, the followers, replay its engine calls:
               the command the leader left with
 
 Who waits for whom, and why it cannot deadlock: a follower only ever waits on the leader's next broadcast
-(over the block's own gloo group), and the leader waits for the followers only inside collectives that the
+(over the block's own gloo group, without a timeout: an idle leader is normal, and a leader that dies
+takes the job down through torchrun), and the leader waits for the followers only inside collectives that the
 followers join at the same point of the same call sequence: vLLM's all-reduces inside a step (the follower
 receives the step before making it), and the weight sync (the follower receives ``sync`` before the leader
 enters it). The leader broadcasts before each of them, so neither can be entered by one side alone; and it

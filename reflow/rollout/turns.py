@@ -1,6 +1,6 @@
 """Multi-turn trajectories: the engine generates a model turn, the environment answers, the model goes on.
 
-    TurnDriver(engine, environment, tokenizer, workers).add(request) / step() -> finished trajectories
+    TurnDriver(engine, task, tokenizer, workers).add(request) / step() -> finished trajectories
 
 A request of a multi-turn task stops at the end of a tool call (one of ``environment.stop``). The driver
 then hands the response so far to the environment on a worker thread, and the engine goes on with every
@@ -15,10 +15,14 @@ Weight syncs: ``hold_all`` takes only what is in the engine; a trajectory waitin
 waiting and re-enters the engine under the new weights when its answer comes, with every turn it had.
 Either way its tokens keep the versions that produced them, as any partial rollout's.
 
+A finished multi-turn trajectory is scored on the same threads (``task.reward`` may run the coding agent's
+tests, or math-verify), and returned with ``Request.reward`` set once its score is in: scoring never
+blocks the engine either.
+
 Accounting: each trajectory counts its tool calls and the wall time it waited on them (``tool_s``);
 the driver counts the time it blocked with an empty engine waiting on tools (``tool_wait_s``), which a
 rollout worker reports apart from engine time and idle time. Single-turn tasks (no environment) pass
-straight through to the engine.
+straight through to the engine, and are scored by the caller.
 """
 
 from __future__ import annotations
@@ -28,26 +32,31 @@ import time
 from typing import TYPE_CHECKING, Iterable
 
 from reflow.rollout.engine import Request, RolloutEngine
-from reflow.tasks.base import Environment
+from reflow.tasks.base import Task
 
 if TYPE_CHECKING:
     from reflow.modes.rollouts import PromptTokenizer
 
 
 class TurnDriver:
-    def __init__(self, engine: RolloutEngine, environment: Environment | None, tokenizer: "PromptTokenizer", workers: int = 8):
+    def __init__(self, engine: RolloutEngine, task: Task, tokenizer: "PromptTokenizer", workers: int = 8):
         self.engine = engine
-        self.environment = environment
+        self.task = task
+        self.environment = task.environment
         self.tokenizer = tokenizer
-        self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool") if environment else None
+        self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool") if self.environment else None
         self.waiting: dict[futures.Future, Request] = {}
         """Trajectories whose latest tool call is with the environment."""
+        self.scoring: dict[futures.Future, Request] = {}
+        """Finished multi-turn trajectories whose reward is being computed."""
         self.tool_wait_s = 0.0
+        self.stepped = False
+        """Whether the latest ``step`` stepped the engine (else it waited on a tool)."""
 
     @property
     def num_active(self) -> int:
-        """Trajectories not finished: in the engine or waiting on a tool."""
-        return self.engine.num_active + len(self.waiting)
+        """Trajectories not finished: in the engine, waiting on a tool, or being scored."""
+        return self.engine.num_active + len(self.waiting) + len(self.scoring)
 
     @property
     def num_waiting_on_tools(self) -> int:
@@ -63,12 +72,13 @@ class TurnDriver:
         wait for a tool); returns the trajectories that finished."""
         finished: list[Request] = []
         self._resume_answered(finished)
-        if self.engine.num_active:
+        self.stepped = self.engine.num_active > 0
+        if self.stepped:
             stopped = self.engine.step()
         else:
-            if self.waiting:
+            if self.waiting or self.scoring:
                 t0 = time.perf_counter()
-                futures.wait(list(self.waiting), timeout=0.05, return_when=futures.FIRST_COMPLETED)
+                futures.wait(list(self.waiting) + list(self.scoring), timeout=0.05, return_when=futures.FIRST_COMPLETED)
                 self.tool_wait_s += time.perf_counter() - t0
                 self._resume_answered(finished)
             stopped = []
@@ -85,7 +95,8 @@ class TurnDriver:
         return finished
 
     def generate(self, requests: Iterable[Request]) -> list[Request]:
-        """Run trajectories to their end (the synchronous path)."""
+        """Run trajectories to their end (the synchronous path). Everything the driver holds runs to its end and
+        is returned: use a driver that holds nothing else (a rollout worker evaluates on a driver of its own)."""
         for req in requests:
             self.add(req)
         done: list[Request] = []
@@ -104,8 +115,11 @@ class TurnDriver:
     def drop_all(self) -> list[Request]:
         """Stop everything (the end of a run): the engine's requests and those waiting on a tool (their answers
         are ignored)."""
-        dropped = self.engine.hold_all() + list(self.waiting.values())
+        dropped = self.engine.hold_all() + list(self.waiting.values()) + list(self.scoring.values())
+        for future in [*self.waiting, *self.scoring]:
+            future.cancel()  # a call not started yet never runs; a running one finishes, unread
         self.waiting.clear()
+        self.scoring.clear()
         return dropped
 
     def take_tool_wait(self) -> float:
@@ -120,7 +134,18 @@ class TurnDriver:
             transcript = self.tokenizer.decode(req.output_ids)
             self.waiting[self.pool.submit(self._respond, req, transcript)] = req
         else:
+            self._finish(req, finished)
+
+    def _finish(self, req: Request, finished: list[Request]) -> None:
+        """A multi-turn trajectory is scored on the pool first; a single-turn one is the caller's to score."""
+        if self.environment is None:
             finished.append(req)
+            return
+        transcript = self.tokenizer.decode(req.output_ids)
+        self.scoring[self.pool.submit(self._score, req, transcript)] = req
+
+    def _score(self, req: Request, transcript: str) -> None:
+        req.reward = self.task.reward(req.meta["problem"], transcript)
 
     def _calls_tool(self, req: Request) -> bool:
         env = self.environment
@@ -139,13 +164,16 @@ class TurnDriver:
             req.tool_s += time.perf_counter() - t0
 
     def _resume_answered(self, finished: list[Request]) -> None:
+        for future in [f for f in self.scoring if f.done()]:
+            future.result()  # a reward that raises is a bug in the task: it surfaces here
+            finished.append(self.scoring.pop(future))
         for future in [f for f in self.waiting if f.done()]:
             req = self.waiting.pop(future)
             answer = future.result()  # an environment that raises is a bug in it: it surfaces here
             answer_ids = self.tokenizer.encode_continuation(answer) if answer is not None else []
             if answer is None or len(req.output_ids) + len(answer_ids) >= req.max_tokens:
                 req.finish_reason = "stop" if answer is None else "length"
-                finished.append(req)
+                self._finish(req, finished)
                 continue
             req.append_environment_tokens(answer_ids)
             req.finish_reason = req.stop_reason = None

@@ -23,7 +23,9 @@ class Problem:
     messages: tuple[dict, ...] | None = None
     """A chat row's messages, rendered with the tokenizer's chat template; None: ``prompt`` is the text."""
     tests: tuple[tuple[str, str], ...] = ()
-    """A coding row's tests: (stdin, expected stdout) pairs."""
+    """A coding row's tests: (stdin, expected stdout) pairs; with ``entry_point``, (JSON arguments, JSON result)."""
+    entry_point: str = ""
+    """A coding row with call-based tests (APPS ``fn_name``): the function (or ``Solution`` method) to call."""
     source: str = ""
     """Where the row came from (verl's data_source, "apps", or the file)."""
 

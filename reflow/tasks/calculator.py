@@ -21,7 +21,8 @@ import re
 from reflow.tasks.base import Problem
 from reflow.tasks.math_verify_reward import MathVerifier, boxed_reward
 
-CALL = re.compile(r"<calc>(.*?)</calc>\s*$", re.DOTALL)
+CALL = re.compile(r"<calc>((?:(?!<calc>).)*?)</calc>\s*$", re.DOTALL)
+"""The call that ends the transcript (the innermost <calc> before the final </calc>)."""
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 

@@ -6,7 +6,10 @@
     model        "<code>\\n...revised program...\\n</code>"    ... up to task.max_turns programs are tested
 
 Each program runs once per test in ``reflow.envs.sandbox`` with the test's input on stdin; a test passes
-when the output matches the expected one line by line (trailing whitespace aside). When every test
+when the output matches the expected one line by line (trailing whitespace aside). A problem with
+call-based tests (APPS ``fn_name``) runs the program with a harness that calls the function (or the
+``Solution`` method) on the test's JSON arguments and prints the result as JSON; the test passes when it
+equals the expected result (or the one value an APPS result list wraps). When every test
 passes, the environment ends the trajectory. The reward is the fraction of tests the last program passes
 (0 without a program). Results are cached per problem and program, so the reward does not run again the
 tests the environment just ran.
@@ -15,6 +18,7 @@ tests the environment just ran.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import threading
 from dataclasses import dataclass
@@ -56,6 +60,25 @@ def outputs_match(got: str, expected: str) -> bool:
     return strip(got) == strip(expected)
 
 
+CALL_HARNESS = """
+
+import json as _json, sys as _sys
+_function = globals().get({name!r}) or getattr(globals()["Solution"](), {name!r})
+_result = _function(*_json.loads(_sys.stdin.read()))
+print(_json.dumps(_result))
+"""
+"""Appended to a program with call-based tests: call the function on the JSON arguments, print the result."""
+
+
+def results_match(got: str, expected: str) -> bool:
+    try:
+        value = json.loads(got.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return False
+    want = json.loads(expected)
+    return value == want or (isinstance(want, list) and len(want) == 1 and value == want[0])
+
+
 class TestRunner:
     """The environment: runs the program that ended the model's turn on the problem's tests."""
 
@@ -69,14 +92,16 @@ class TestRunner:
         self._lock = threading.Lock()
 
     def run_tests(self, problem: Problem, program: str) -> TestReport:
-        key = (problem.uid, hashlib.sha256(program.encode()).hexdigest())
+        key = (problem.uid, hashlib.sha256(repr((program, problem.tests, problem.entry_point)).encode()).hexdigest())
         with self._lock:
             if key in self._cache:
                 return self._cache[key]
         passed, first_failure = 0, ""
+        code = program + CALL_HARNESS.format(name=problem.entry_point) if problem.entry_point else program
+        match = results_match if problem.entry_point else outputs_match
         for index, (stdin, expected) in enumerate(problem.tests):
-            result: SandboxResult = self.sandbox.run(program, stdin=stdin)
-            if result.ok and outputs_match(result.stdout, expected):
+            result: SandboxResult = self.sandbox.run(code, stdin=stdin)
+            if result.ok and match(result.stdout, expected):
                 passed += 1
             elif not first_failure:
                 got = result.stdout if result.ok else result.message(self.shown_chars)

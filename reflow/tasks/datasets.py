@@ -8,10 +8,10 @@ Layouts:
             "reward_model": {"ground_truth", "style"}, "extra_info": {"index", ...}}
            verl's RL layout, in which DAPO-Math-17K and GSM8K are usually shipped (Parquet); the
            messages are rendered with the tokenizer's chat template
-  apps     {"problem_id", "question", "input_output": {"inputs": [...], "outputs": [...]},
+  apps     {"problem_id", "question", "input_output": {"inputs": [...], "outputs": [...], "fn_name"?},
             "solutions": [...], "starter_code", "difficulty"}
            APPS; ``input_output`` and ``solutions`` may be JSON strings, as in the released files.
-           Only standard-input tests are run: a row with call-based tests (``fn_name``) is refused
+           Standard-input tests, or with ``fn_name`` call-based ones (the arguments and the result as JSON)
 
 A row that fits no layout, or misses a field of its layout, is one error naming the config key, the file,
 the row ("file:line" in JSONL, "file row N" in Parquet) and the field: a bad row never becomes an empty prompt.
@@ -142,13 +142,19 @@ def _apps_row(row: dict) -> Problem:
     tests = _json_field(row, "input_output")
     if not isinstance(tests, dict) or not isinstance(tests.get("inputs"), list) or not isinstance(tests.get("outputs"), list):
         raise RowError("field 'input_output' must hold {'inputs': [...], 'outputs': [...]}")
-    if tests.get("fn_name"):
-        raise RowError(f"field 'input_output' has call-based tests (fn_name {tests['fn_name']!r}): only standard-input tests are run")
+    entry_point = tests.get("fn_name") or ""
+    if not isinstance(entry_point, str) or (entry_point and not entry_point.isidentifier()):
+        raise RowError(f"field 'input_output.fn_name' must be a Python name, got {entry_point!r}")
     if not tests["inputs"] or len(tests["inputs"]) != len(tests["outputs"]):
         raise RowError(f"field 'input_output' needs as many outputs as inputs, at least one "
                        f"(got {len(tests['inputs'])} and {len(tests['outputs'])})")
     pairs = []
     for i, (stdin, stdout) in enumerate(zip(tests["inputs"], tests["outputs"])):
+        if entry_point:  # call-based: the arguments and the expected result, as JSON
+            if not isinstance(stdin, list):
+                raise RowError(f"field 'input_output' test {i}: call-based inputs must be a list of arguments, got {type(stdin).__name__}")
+            pairs.append((json.dumps(stdin), json.dumps(stdout)))
+            continue
         if isinstance(stdin, list):
             stdin = "\n".join(map(str, stdin))
         if isinstance(stdout, list):
@@ -163,5 +169,5 @@ def _apps_row(row: dict) -> Problem:
         raise RowError("row has no 'problem_id' field")
     return Problem(
         uid=f"apps-{row['problem_id']}", prompt=question, answer=str(solutions[0]) if solutions else "",
-        tests=tuple(pairs), source="apps",
+        tests=tuple(pairs), entry_point=entry_point, source="apps",
     )

@@ -18,8 +18,8 @@ class MathTask:
     def __init__(self, reward_timeout_s: float = 5.0):
         self.verifier = MathVerifier(reward_timeout_s)
 
-    def format_prompt(self, problem: Problem) -> str:
-        return problem.prompt
+    def format_prompt(self, problem: Problem) -> str | list[dict]:
+        return list(problem.messages) if problem.messages is not None else problem.prompt
 
     def reward(self, problem: Problem, completion: str) -> float:
         return self.verifier.score(completion, problem.answer)

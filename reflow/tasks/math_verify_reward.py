@@ -12,6 +12,7 @@ A rollout worker therefore never waits longer than ``timeout_s`` for a reward, w
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 from multiprocessing.connection import Connection
 
 
@@ -44,6 +45,7 @@ class MathVerifier:
         self._context = mp.get_context("spawn")  # no fork of a process holding torch, vLLM and process groups
         self._process = None
         self._conn: Connection | None = None
+        self._lock = threading.Lock()
 
     def _start(self) -> None:
         parent, child = self._context.Pipe()
@@ -53,6 +55,10 @@ class MathVerifier:
         self._conn = parent
 
     def score(self, completion: str, reference: str) -> float:
+        with self._lock:  # one child, one pipe: callers on several threads (multi-turn scoring) take turns
+            return self._score(completion, reference)
+
+    def _score(self, completion: str, reference: str) -> float:
         for attempt in range(2):
             if self._process is None or not self._process.is_alive():
                 self._start()

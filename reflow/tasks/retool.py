@@ -23,7 +23,8 @@ INSTRUCTIONS = (
     "Solve the problem step by step. You may run Python code by writing it between <code> and </code>; "
     "its output will appear between <interpreter> and </interpreter>. Put the final answer in \\boxed{}."
 )
-CODE = re.compile(r"<code>(.*?)</code>\s*$", re.DOTALL)
+CODE = re.compile(r"<code>((?:(?!<code>).)*?)</code>\s*$", re.DOTALL)
+"""The code block that ends the transcript (the innermost <code> before the final </code>)."""
 FENCE = re.compile(r"^\s*```(?:python|py)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
 
 

@@ -30,7 +30,12 @@ HOSTILE = {
     "kill the parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('sent')", {"refused"}, "signalling"),
     "sleep past the wall clock": ("import time\ntime.sleep(60)", {"timeout"}, "time limit exceeded (wall clock)"),
     "ctypes": ("import ctypes\nctypes.CDLL(None).system(b'touch " + MARKER + "')", {"refused"}, "ctypes"),
-    "another program": ("import subprocess\nsubprocess.run(['sh', '-c', 'touch " + MARKER + "'])", {"refused"}, "program"),
+    "another program": ("import subprocess\nsubprocess.run(['sh', '-c', 'touch " + MARKER + "'])", {"refused"}, ""),
+    "fork_exec without an audit event": ("import _posixsubprocess", {"refused"}, "_posixsubprocess"),
+    "write outside after chdir": (f"import os\nos.chdir('/tmp')\nopen({os.path.basename(MARKER)!r}, 'w')", {"refused"}, "os.chdir"),
+    "write through a folder descriptor": (
+        f"import os\nfd = os.open('/tmp', os.O_RDONLY)\nos.open({os.path.basename(MARKER)!r}, os.O_CREAT | os.O_WRONLY, dir_fd=fd)",
+        {"refused"}, "opening the folder '/tmp'"),
 }
 
 

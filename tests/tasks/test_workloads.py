@@ -83,7 +83,8 @@ def _apps(**change):
     ({"question": ""}, "field 'question' must be a non-empty string"),
     ({"input_output": "{not json"}, "field 'input_output' is a string that is not JSON"),
     ({"input_output": json.dumps({"inputs": ["1"], "outputs": []})}, "needs as many outputs as inputs"),
-    ({"input_output": json.dumps({"fn_name": "f", "inputs": [[1]], "outputs": [1]})}, "call-based tests (fn_name 'f')"),
+    ({"input_output": json.dumps({"fn_name": "f(x)", "inputs": [[1]], "outputs": [1]})}, "'input_output.fn_name' must be a Python name"),
+    ({"input_output": json.dumps({"fn_name": "f", "inputs": ["1"], "outputs": [1]})}, "call-based inputs must be a list of arguments"),
 ])
 def test_malformed_apps_rows_name_file_line_and_field(tmp_path, change, message):
     path = tmp_path / "apps.jsonl"
@@ -163,6 +164,17 @@ def test_coding_agent_reference_solutions_pass(coding, apps_problems):
         transcript = f"<code>\n{problem.answer}</code>"
         assert coding.environment.respond(problem, transcript) is None, problem.uid  # solved: the trajectory ends
         assert coding.reward(problem, transcript) == 1.0, problem.uid
+
+
+def test_coding_agent_call_based_tests(coding, tmp_path):
+    # APPS call-based rows: fn_name, the arguments as a list, the result (often wrapped in a one-element list)
+    path = tmp_path / "apps.jsonl"
+    path.write_text(_apps(input_output=json.dumps({"fn_name": "add", "inputs": [[1, 2], [5, -5]], "outputs": [[3], [0]]})) + "\n")
+    problem = load_problems(str(path))[0]
+    assert problem.entry_point == "add"
+    assert coding.reward(problem, "<code>\ndef add(a, b):\n    return a + b\n</code>") == 1.0
+    assert coding.reward(problem, "<code>\nclass Solution:\n    def add(self, a, b):\n        return a + b\n</code>") == 1.0
+    assert coding.reward(problem, "<code>\ndef add(a, b):\n    return a + b if a < 5 else 1\n</code>") == 0.5
 
 
 def test_coding_agent_feedback_and_revision(coding, apps_problems):

@@ -6,7 +6,7 @@ separated), up to 2 answers per trajectory; on the prompt marked slow it takes 0
   - a weight sync in the middle (hold_all, reload as version 1, resume): trajectories in the engine keep
     their turns, those waiting on a tool stay waiting and go on under version 1;
   - each trajectory's layout: model spans around the environment's "[ok]" tokens, one log-prob and version
-    per model token, tool calls and tool time counted;
+    per model token, tool calls and tool time counted, and its reward computed by the driver;
   - the packed batch masks exactly the model's tokens, and a Hugging Face forward of the packed rows (the
     same weights) gives vLLM's behavior log-probs at the masked positions: environment tokens are context,
     never targets, and everything lines up.
@@ -41,12 +41,23 @@ class ScriptedEnvironment:
         return "[ok]"
 
 
+class ScriptedTask:
+    name = "scripted"
+    environment = ScriptedEnvironment()
+
+    def format_prompt(self, problem: Problem) -> str:
+        return problem.prompt
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return float(completion.count("[ok]"))
+
+
 cfg = JobConfig()
 recipe = load_recipe("tiny")
 hf = resolve_path(recipe.hf_checkpoint)
 engine = RolloutEngine(cfg, recipe, hf, seed=0)
 tok = PromptTokenizer(hf)
-driver = TurnDriver(engine, ScriptedEnvironment(), tok, workers=4)
+driver = TurnDriver(engine, ScriptedTask(), tok, workers=4)
 prompts = ["3+5+2+8+1+9+4+7=", "9+9+9+9+9+9+9+9+9=", "1+2+3+4+5+6+7+8+9+1=", "7+1+2+6+3+3+8=", "4+4+1+5+9+2+6+5+3="] * 2
 requests = []
 for i, text in enumerate(prompts):
@@ -86,6 +97,7 @@ for req in finished.values():
     gaps = [req.output_ids[a[1]:b[0]] for a, b in zip(spans, spans[1:])]
     env_text_ok &= all(tok.decode(gap) == "[ok]" for gap in gaps)
     counts_ok &= req.tool_calls >= len(gaps) and (req.tool_calls == 0 or req.tool_s > 0)
+    counts_ok &= req.reward == len(gaps)  # scored by the driver, on its threads
     samples.append(BufferedSample(
         uid=req.request_id, draw=0, group_id=req.request_id, prompt_ids=req.prompt_ids, output_ids=req.output_ids,
         logprobs=req.logprobs, versions=req.versions, reward=0.0, model_spans=spans,
