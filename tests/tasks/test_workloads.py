@@ -137,6 +137,9 @@ def test_retool_interpreter_and_reward(retool, math_problems):
     # a boxed answer the code printed is not the model's answer
     printed = "<code>\nprint('\\\\boxed{2}')\n</code>"
     assert retool.reward(problem, printed + env.respond(problem, printed) + "I am not sure.") == 0.0
+    # a second call runs its own block
+    second = transcript + "\nChecking: <code>\nprint(1024 - 7 * 146)\n</code>"
+    assert env.respond(problem, second) == "<interpreter>\n2\n</interpreter>\n"
     # broken code: the error comes back as the interpreter's output
     assert "ZeroDivisionError" in env.respond(problem, "<code>\n1/0\n</code>")
 
@@ -211,6 +214,8 @@ def test_calculator_evaluates_arithmetic_only():
     problem = Problem("p", "3+5+2+8=", "8,10,18")
     assert env.respond(problem, "<calc>3+5+2+8</calc>") == "<result>18</result>\n"
     assert env.respond(problem, "<calc>open('x')</calc>").startswith("<result>error:")
+    # a later call is answered for itself, not for the text since the first one
+    assert env.respond(problem, "<calc>1+2</calc><result>3</result>\n<calc>3+4</calc>") == "<result>7</result>\n"
 
 
 def test_boxed_and_calculator_rewards():
