@@ -508,8 +508,13 @@ class DecoupledMode(ModeBase):
         )
         return RolloutWorker(
             parts, self.weight_sync, self.control, self.outbox, budget, self.stream, self.shares[index], index,
-            self.trainer_ranks, len(self.rollout_workers),
+            self.trainer_ranks, len(self.rollout_workers), evaluate_first=self._evaluates_start,
         )
+
+    @property
+    def _evaluates_start(self) -> bool:
+        """A new run (not a resumed one) evaluates its starting policy, version 0, before generating."""
+        return bool(self.parts.cfg.metrics.eval_interval) and self.version == 0 and self.step == 0
 
     # ================================================================ both
 
@@ -521,6 +526,8 @@ class DecoupledMode(ModeBase):
         self.shares = initial_shares(len(self.rollout_workers), self._drawn, self.prompt_holes)
         if self.is_trainer:
             self.buffer.start_version = self.version  # the engines start (or resume) on this version
+        if self.rank == self.control.leader and self._evaluates_start:
+            self.pending_evals[0] = {"expected": len(self.rollout_workers), "reward_sum": 0.0, "count": 0, "reports": 0}
         if self.resumed_replicas not in (None, self.placement.replicate_degree):
             # resumed from a checkpoint saved on another placement: take it up again before the first step
             # (nothing is in flight yet; every rank knows the saved placement)
@@ -642,13 +649,17 @@ class DecoupledMode(ModeBase):
             parts.logger.info(f"placement {old.name} -> {new.name} after step {self.step} in {seconds.item():.2f}s")
 
     def _shut_down(self) -> None:
-        """END to every other rank on the data plane; drain until END from every other rank; close the planes."""
+        """END to every other rank on the data plane; drain until END from every other rank (rank 0 logs an
+        evaluation of the final policy that finished meanwhile); close the planes."""
         self.outbox.close([r for r in range(self.parts.world_size) if r != self.rank])
         while not self.inbox.done:
             self._receive()
             time.sleep(0.005)
         self._receive()
         self.inbox.join()
+        final_eval = self._finished_eval() if self.rank == self.control.leader else {}
+        if final_eval:  # the last weight sync's evaluation arrived after the last step's row: a row of its own
+            self.parts.logger.log(self.step, final_eval)
         if self.buffer is not None:
             self.ledger["left_unused"].extend(s.uid for s in self.buffer.unused)
             self.ledger["left_replayable"] = len(self.buffer.replayable)

@@ -97,6 +97,7 @@ class RolloutWorker:
         rollout_index: int,
         trainer_ranks: list[int],
         num_rollout: int,
+        evaluate_first: bool = False,
     ):
         cfg = parts.cfg
         self.cfg = cfg
@@ -119,9 +120,13 @@ class RolloutWorker:
         self.gate = AdmissionGate(cfg, self.engine, self.group_size, self.turns)
         self._next_group: tuple | None = None  # ((draw, version), its requests) while it waits on the gate
         self.commands: deque = deque()
+        self.evaluate_first = evaluate_first
+        """Evaluate the engine's policy before generating anything (a new run's starting policy)."""
         self.ledger: dict = {"started": [], "sent": [], "dropped_at_stop": []}
 
     def run(self):
+        if self.evaluate_first:
+            self._evaluate(self.engine.version)
         while True:
             # 1. commands
             self.commands.extend(self.control.poll())

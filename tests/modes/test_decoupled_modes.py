@@ -27,8 +27,8 @@ def _run(tmp_path, nproc, mode, rollout_ranks, extra=()):
         ],
     )
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
-    # placement changes and placement decisions have rows of their own
-    rows = [row for row in rows if "transition" not in row and "planner_reason" not in row]
+    # placement changes, placement decisions and the final policy's evaluation have rows of their own
+    rows = [row for row in rows if "transition" not in row and "planner_reason" not in row and "loss" in row]
     ledgers = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(dump, "ledger", "rank*.json")))]
     for row in rows:
         assert DECOUPLED_KEYS <= set(row), DECOUPLED_KEYS - set(row)
@@ -162,8 +162,8 @@ def test_rollout_admits_a_grant_before_a_sync_queued_behind_it(tmp_path):
 
 
 def test_decoupled_modes_evaluate_on_the_rollout_ranks_at_weight_syncs(tmp_path):
-    """async, 1 trainer + 2 rollout ranks, metrics.eval_interval = 2: after the weight syncs to versions 2, 4, ...
-    both rollout ranks score their half of the held-out prompts, and trainer rank 0 logs the mean with the
+    """async, 1 trainer + 2 rollout ranks, metrics.eval_interval = 2: before generating (version 0) and after the
+    weight syncs to versions 2, 4, ... both rollout ranks score their half of the held-out prompts, and trainer rank 0 logs the mean with the
     version it measured, without the trainer waiting for it."""
     rows, _ = _run(
         tmp_path, 3, "async", 2,
@@ -172,7 +172,8 @@ def test_decoupled_modes_evaluate_on_the_rollout_ranks_at_weight_syncs(tmp_path)
     evaluated = [r for r in rows if "eval_reward" in r]
     assert evaluated, "no evaluation finished"
     versions = [r["eval_policy_version"] for r in evaluated]
-    assert versions == sorted(set(versions)) and set(versions) <= {2, 4, 6}
+    # the starting policy first (evaluated before the rollout ranks generate), then the synced versions
+    assert versions == sorted(set(versions)) and versions[0] == 0 and set(versions) <= {0, 2, 4, 6}
     for r in evaluated:
         assert 0.0 <= r["eval_reward"] <= 1.0
         assert r["policy_version"] >= r["eval_policy_version"]  # logged at a step after the sync it measured
