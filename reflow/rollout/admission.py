@@ -69,9 +69,10 @@ class AdmissionGate:
     def cap(self) -> int:
         return self.rule.cap
 
-    def groups_in_flight(self) -> list[tuple[int, list[int]]]:
+    @staticmethod
+    def _groups(in_flight: list) -> list[tuple[int, list[int]]]:
         """(prompt length, tokens generated per sequence) of every group in flight."""
-        return groups_in_flight((req.meta["group"], len(req.prompt_ids), len(req.output_ids)) for req in self._in_flight())
+        return groups_in_flight((req.meta["group"], len(req.prompt_ids), len(req.output_ids)) for req in in_flight)
 
     def _in_flight(self) -> list:
         waiting = list(self.turns.waiting.values()) if self.turns is not None else []
@@ -80,8 +81,10 @@ class AdmissionGate:
     def allows(self, prompt_len: int) -> bool:
         """May a group with this prompt start now? Counts the answer."""
         self.last_prompt_len = prompt_len
+        in_flight = self._in_flight()
         refusal = self.rule.refuses(
-            len(self._in_flight()), self.engine.signals.kv_budget_tokens, prompt_len, self.group_size, self.groups_in_flight
+            len(in_flight), self.engine.signals.kv_budget_tokens, prompt_len, self.group_size,
+            lambda: self._groups(in_flight),
         )
         self.window["gate_refusals" if refusal else "admitted_groups"] += 1
         return refusal is None
@@ -91,9 +94,10 @@ class AdmissionGate:
         length of the group last offered (the typical one); ``started``: samples the worker has started."""
         if self.rule.kv_rule is None:
             return None
+        in_flight = self._in_flight()
         load, estimate = self.rule.load(
-            len(self._in_flight()), self.engine.signals.kv_budget_tokens, self.last_prompt_len, self.group_size,
-            self.groups_in_flight(),
+            len(in_flight), self.engine.signals.kv_budget_tokens, self.last_prompt_len, self.group_size,
+            self._groups(in_flight),
         )
         return WorkerReport(load, estimate, started)
 

@@ -59,22 +59,25 @@ class MathVerifier:
             return self._score(completion, reference)
 
     def _score(self, completion: str, reference: str) -> float:
-        for attempt in range(2):
-            if self._process is None or not self._process.is_alive():
-                self._start()
-            try:
-                self._conn.send((completion, reference))
-                if self._conn.poll(self.timeout_s):
-                    return float(self._conn.recv())
-            except (EOFError, OSError) as e:  # the child died (killed from outside, out of memory): start again once
-                self.close()
-                if attempt:
-                    raise RuntimeError(f"the math-verify child process died twice in a row ({e!r})") from None
-                continue
-            self.timeouts += 1
-            self.close()  # the child is stuck in SymPy: kill it; the next call starts a new one
-            return 0.0
-        raise AssertionError("unreachable")
+        try:
+            return self._ask(completion, reference)
+        except (EOFError, OSError):  # the child died (killed from outside, out of memory): start again once
+            self.close()
+        try:
+            return self._ask(completion, reference)
+        except (EOFError, OSError) as e:
+            self.close()
+            raise RuntimeError(f"the math-verify child process died twice in a row ({e!r})") from None
+
+    def _ask(self, completion: str, reference: str) -> float:
+        if self._process is None or not self._process.is_alive():
+            self._start()
+        self._conn.send((completion, reference))
+        if self._conn.poll(self.timeout_s):
+            return float(self._conn.recv())
+        self.timeouts += 1
+        self.close()  # the child is stuck in SymPy: kill it; the next call starts a new one
+        return 0.0
 
     def close(self) -> None:
         if self._process is not None:
