@@ -16,6 +16,7 @@ COMMON = [
     "numpy",  # the simulator's profile fit
     "pillow",  # the benchmarks' and the simulator's PNGs
     "math-verify==0.9.0",  # the math task's reward
+    "pyarrow",  # Parquet prompt datasets (verl's RL layout)
 ]
 
 setup(
