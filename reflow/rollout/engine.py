@@ -246,10 +246,21 @@ class RolloutEngine:
     # ---- weights -------------------------------------------------------------
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
-        """Replace the engine's weights in place (HF names); returns seconds taken."""
+        """Replace the engine's weights in place (HF names) and drop the prefix cache; returns seconds taken.
+
+        vLLM's reload_weights resets the LoRA, encoder and multimodal caches but not the prefix cache: a later
+        request whose prompt blocks are cached (a shared chat template or system prompt, the held-out prompts
+        at every evaluation, the prompt + prefix of a resumed partial rollout) would decode over KV the old
+        weights computed while its tokens are labelled with the new version. Nothing is in flight here (a
+        sync holds every request first), so every block is free and the reset cannot fail but loudly."""
         t0 = time.time()
         self.wake_up()  # a sleeping engine's weights are not mapped: never load into it
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                f"vLLM could not reset its prefix cache after loading version {version} (blocks still in use: "
+                f"{len(self.active)} requests in flight); decoding would read KV of the old weights"
+            )
         self.version = version
         return time.time() - t0
 
