@@ -1,24 +1,34 @@
-"""Side-by-side benchmark of the four training modes on one workload, world size and seed.
+"""Side-by-side benchmark of the four training modes on one workload and world size, over one or more seeds.
 
-    python -m reflow.bench modes [--time-budget 60] [--world-size 2] [--out outputs/bench/modes.json] [-- --key=value ...]
+    python -m reflow.bench modes [--seeds 3] [--time-budget 60] [--world-size 2] [--out outputs/bench/modes.json]
+                                 [-- --key=value ...]
 
 Each mode runs as its own ``torchrun`` job on the same config (``train_configs/bench_modes.toml``:
 a rollout-bound chain_sum workload whose answer lengths have a long tail), with every rank pinned to
 its own core and one compute thread (``job.cpu_affinity``), so a waiting rank is really idle, as a GPU
 would be. ``sync`` is colocated (every rank trains and generates); the decoupled modes split the world
-into trainer and rollout ranks. Reported per mode:
+into trainer and rollout ranks. With ``--seeds N`` every mode runs with job.seed = 0 .. N-1 (the modes
+of one seed back to back); each figure below is reported as the mean over seeds and its spread
+(``<key>_spread``: std, min, max, the values), and every run's own summary is kept (``per_seed``):
 
   tokens_per_s          trainer tokens (fresh and replayed) / step time, over the steps after warm-up
   fresh_samples_per_s   first-use samples trained on / step time (generation that reached the trainer)
   trainer_idle_ratio    mean share of a step the trainer waited for data (after warm-up)
   rollout_idle_ratio    mean share of time rollout ranks had nothing to generate (after warm-up)
-  staleness             share of trained samples (fresh and replayed) at each staleness, after warm-up:
-                        how many policy versions older than the trainer the policy that began them was.
-                        sync trains only staleness 0, one_step_off only 1, async and reflow up to delta
-  reward_at_equal_time  every mode trains for the same wall-clock budget (training.time_budget_s); the
+  staleness             share of trained samples (fresh and replayed) at each staleness, after warm-up, as
+                        the mode counts it (async and reflow: from the version a sample finished at, unless
+                        replay.staleness_from = "start"; one_step_off: from the version that began it)
+  eval_reward_at_equal_time  every mode trains for the same wall-clock budget (training.time_budget_s); the
                         policy it ends with is scored on the held-out eval set (256 prompts x 4 samples,
-                        one embedded vLLM engine, same seed), next to the starting checkpoint's score
+                        one embedded vLLM engine): the same prompts and sampling seeds for every policy
+  evicted_fraction      decoupled modes, from the ledger: samples evicted unused / samples whose fate was
+                        decided (trained fresh or evicted unused; those still unused at the stop are not)
+  survival_by_length_decile  the same decided samples in ten equal-count bins of response length, shortest
+                        first: the share trained fresh in each (a rule that evicts long answers shows here)
   time_to_target_s      first time the 5-step moving average of the training reward reaches --target-reward
+
+``targets`` checks the replay-cycle targets on the means: reflow's tokens/s >= 1.2x the best of one_step_off
+and async, its eval reward above every other mode's, its evicted fraction <= 0.05.
 """
 
 from __future__ import annotations
@@ -37,8 +47,8 @@ MODES = ("sync", "one_step_off", "async", "reflow")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_mode(mode: str, args, overrides: list[str]) -> dict:
-    dump = os.path.join(args.work_dir, mode)
+def run_mode(mode: str, args, overrides: list[str], seed: int = 0) -> dict:
+    dump = os.path.join(args.work_dir, mode) if seed == 0 else os.path.join(args.work_dir, f"seed{seed}", mode)
     if os.path.exists(os.path.join(dump, "metrics.jsonl")):
         os.remove(os.path.join(dump, "metrics.jsonl"))
     rollout_ranks = 0 if mode == "sync" else args.rollout_ranks
@@ -66,6 +76,7 @@ def run_mode(mode: str, args, overrides: list[str]) -> dict:
         rows = [json.loads(line) for line in f]
     return {
         "rows": rows,
+        "dump": dump,
         "wall_s": wall,
         "command": " ".join(cmd),
         "placement": _placement_line(proc.stderr),
@@ -132,8 +143,92 @@ def staleness_distribution(rows: list[dict]) -> dict[str, float]:
     return {str(age): count / trained for age, count in enumerate(totals)} if trained else {}
 
 
+SUMMARY_KEYS = (
+    "tokens_per_s", "fresh_samples_per_s", "eval_reward_at_equal_time", "evicted_fraction", "trainer_idle_ratio",
+    "rollout_idle_ratio", "replay_fraction", "steps", "received_response_len_mean", "trained_response_len_mean",
+)
+"""Per-seed results that ``aggregate`` reports as mean and spread."""
+
+
+def ledger_summary(dump: str) -> dict:
+    """From a decoupled run's ledger: which generated samples were trained fresh and which were evicted unused,
+    by response length. A sample's fate is decided when it is trained fresh or evicted unused; samples still
+    unused when the run stopped (at most the dispatch window) have no fate yet and count in neither.
+
+      evicted_fraction           evicted unused / (trained fresh + evicted unused)
+      survival_by_length_decile  the same samples in ten equal-count bins of response length (shortest
+                                 first): trained fresh / decided, per bin
+    """
+    import glob
+
+    ledgers = [json.load(open(path)) for path in sorted(glob.glob(os.path.join(dump, "ledger", "rank*.json")))]
+    lengths = {e["uid"]: e["response_len"] for led in ledgers for e in led["sent"] if "response_len" in e}
+    trained = {c["uid"] for led in ledgers for c in led["consumed"]}
+    evicted = {u for led in ledgers for u in led["evicted_unused"]}
+    decided = sorted((lengths[u], u in trained) for u in (trained | evicted) if u in lengths)
+    if not decided:
+        return {"evicted_fraction": 0.0, "survival_by_length_decile": [], "received_response_len_mean": 0.0,
+                "trained_response_len_mean": 0.0}
+    bins = [decided[len(decided) * k // 10 : len(decided) * (k + 1) // 10] for k in range(10)]
+    trained_lengths = [n for n, kept in decided if kept]
+    return {
+        "evicted_fraction": sum(not kept for _, kept in decided) / len(decided),
+        "survival_by_length_decile": [sum(kept for _, kept in b) / len(b) if b else 1.0 for b in bins],
+        "decile_upper_lengths": [b[-1][0] if b else 0 for b in bins],
+        "received_response_len_mean": sum(n for n, _ in decided) / len(decided),
+        "trained_response_len_mean": sum(trained_lengths) / max(len(trained_lengths), 1),
+    }
+
+
+def aggregate(per_seed: list[dict]) -> dict:
+    """Mean and spread (population standard deviation, min, max) of each of ``SUMMARY_KEYS`` over seeds, and the
+    mean survival per length decile."""
+    out: dict = {}
+    for key in SUMMARY_KEYS:
+        values = [run[key] for run in per_seed if run.get(key) is not None]
+        if not values:
+            continue
+        mean = sum(values) / len(values)
+        out[key] = mean
+        out[f"{key}_spread"] = {
+            "std": (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5, "min": min(values), "max": max(values),
+            "values": values,
+        }
+    deciles = [run["survival_by_length_decile"] for run in per_seed if run.get("survival_by_length_decile")]
+    if deciles:
+        out["survival_by_length_decile"] = [sum(d[k] for d in deciles) / len(deciles) for k in range(10)]
+    staleness: dict[str, float] = {}
+    for run in per_seed:
+        for age, share in run["staleness_distribution"].items():
+            staleness[age] = staleness.get(age, 0.0) + share / len(per_seed)
+    out["staleness_distribution"] = staleness
+    return out
+
+
+def targets(modes: dict) -> dict:
+    """The replay-cycle targets: reflow's tokens/s >= 1.2x the best of one_step_off and async, its mean held-out
+    reward at equal time above every other mode's, and at most 5% of what it generates evicted unused."""
+    if "reflow" not in modes:
+        return {}
+    reflow = modes["reflow"]
+    result: dict = {}
+    baselines = [m for m in ("one_step_off", "async") if m in modes]
+    if baselines:
+        best = max(baselines, key=lambda m: modes[m]["tokens_per_s"])
+        ratio = reflow["tokens_per_s"] / max(modes[best]["tokens_per_s"], 1e-9)
+        result["tokens_per_s_vs_best_baseline"] = {"best": best, "ratio": ratio, "target": 1.2, "met": ratio >= 1.2}
+    others = [m for m in modes if m != "reflow"]
+    if others:
+        best = max(others, key=lambda m: modes[m]["eval_reward_at_equal_time"])
+        margin = reflow["eval_reward_at_equal_time"] - modes[best]["eval_reward_at_equal_time"]
+        result["eval_reward_vs_best_other"] = {"best": best, "margin": margin, "met": margin > 0}
+    result["evicted_fraction"] = {"value": reflow["evicted_fraction"], "target": 0.05, "met": reflow["evicted_fraction"] <= 0.05}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = " ".join(["python -m reflow.bench", *argv])
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(prog="python -m reflow.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=1000, help="step cap; the time budget normally ends the run")
     ap.add_argument("--time-budget", type=float, default=60.0, help="training seconds per mode (equal wall-clock)")
+    ap.add_argument("--seeds", type=int, default=1, help="runs per mode, with job.seed = 0, 1, ...: mean and spread")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--rollout-ranks", type=int, default=1)
@@ -153,18 +249,34 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         ap.error(f"--modes: unknown mode(s) {unknown} (known: {', '.join(MODES)})")
+    if args.seeds < 1:
+        ap.error("--seeds must be >= 1")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
 
-    runs = {}
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     print("[bench] scoring the starting checkpoint ...", file=sys.stderr, flush=True)
     start_eval = evaluate_policy(os.path.join(ROOT, "assets", "tiny-qwen3"), env)
-    for mode in modes:
-        print(f"[bench] {mode} ...", file=sys.stderr, flush=True)
-        runs[mode] = run_mode(mode, args, overrides)
-    equal_time = min(sum(r["step_time_s"] for r in run["rows"]) for run in runs.values())
+    per_seed: dict[str, list[dict]] = {mode: [] for mode in modes}
+    rows_seed0: dict[str, list[dict]] = {}
+    for seed in range(args.seeds):
+        runs = {}
+        for mode in modes:  # the modes of one seed run back to back, so machine drift hits them alike
+            print(f"[bench] seed {seed}: {mode} ...", file=sys.stderr, flush=True)
+            runs[mode] = run_mode(mode, args, [f"--job.seed={seed}", *overrides], seed)
+        equal_time = min(sum(r["step_time_s"] for r in run["rows"]) for run in runs.values())
+        for mode, run in runs.items():
+            s = summarize(run["rows"], args.warmup, equal_time, args.target_reward)
+            s.update(placement=run["placement"], wall_s=run["wall_s"], command=run["command"], seed=seed, dump=run["dump"])
+            s["eval_reward_at_equal_time"] = run["eval"]["reward_mean"]
+            s["eval_solved_frac"] = run["eval"]["solved_frac"]
+            s["equal_time_s"] = equal_time
+            s.update(ledger_summary(run["dump"]) if mode != "sync" else {"evicted_fraction": 0.0})
+            per_seed[mode].append(s)
+            if seed == 0:
+                rows_seed0[mode] = run["rows"]
     result = {
         "benchmark": "modes",
+        "command": command,
         "config": args.config,
         "overrides": overrides,
         "world_size": args.world_size,
@@ -172,19 +284,18 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_affinity": "each rank pinned to its own core, 1 compute thread (job.cpu_affinity=true)",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "steps": args.steps,
+        "seeds": args.seeds,
         "warmup_steps": args.warmup,
         "target_reward": args.target_reward,
-        "equal_time_s": equal_time,
         "time_budget_s": args.time_budget,
+        "equal_time_s": min(s["equal_time_s"] for runs in per_seed.values() for s in runs),
         "start_eval_reward": start_eval["reward_mean"],
+        "eval_pairing": "every policy is scored on the same held-out prompts with the same sampling seeds",
         "modes": {},
     }
-    for mode, run in runs.items():
-        s = summarize(run["rows"], args.warmup, equal_time, args.target_reward)
-        s.update(placement=run["placement"], wall_s=run["wall_s"], command=run["command"])
-        s["eval_reward_at_equal_time"] = run["eval"]["reward_mean"]
-        s["eval_solved_frac"] = run["eval"]["solved_frac"]
-        result["modes"][mode] = s
+    for mode, runs in per_seed.items():
+        result["modes"][mode] = {**aggregate(runs), "placement": runs[0]["placement"], "per_seed": runs}
+    result["targets"] = targets(result["modes"])
     others = [m for m in result["modes"] if m != "reflow"]
     if "reflow" in result["modes"] and others:
         best = max(others, key=lambda m: result["modes"][m]["tokens_per_s"])
@@ -198,9 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     png = os.path.splitext(args.out)[0] + ".png"
-    write_png(png, result, {mode: run["rows"] for mode, run in runs.items()})
+    write_png(png, result, rows_seed0)
     print(format_table(result))
     print(f"[bench] wrote {args.out} and {png}", file=sys.stderr)
+    return 0
 
 
 def write_png(path: str, result: dict, rows: dict[str, list[dict]]) -> None:
@@ -225,27 +337,24 @@ def write_png(path: str, result: dict, rows: dict[str, list[dict]]) -> None:
     idle = {m: {"trainer idle": s["trainer_idle_ratio"], "rollout idle": s["rollout_idle_ratio"]} for m, s in modes.items()}
     bars(draw, (560, 350, 960, 600), "idle ratios", idle, 1.0)
     image.save(path)
-    return 0
 
 
 def format_table(result: dict) -> str:
+    """Per mode, the mean over seeds (and the standard deviation of the main figures)."""
     head = (
-        f"{'mode':<13}{'steps':>6}{'tok/s':>9}{'fresh/s':>9}{'trn idle':>10}{'roll idle':>10}{'replay':>8}"
-        f"{'R first5':>10}{'R last5':>9}{'eval R@eq-t':>12}{'t->target':>11}  staleness 0/1/2/..."
+        f"{'mode':<13}{'steps':>6}{'tok/s':>14}{'fresh/s':>12}{'eval R@eq-t':>16}{'evicted':>9}{'trn idle':>9}"
+        f"{'roll idle':>10}{'replay':>7}  survival by length decile (short -> long)"
     )
-    lines = [f"starting checkpoint eval reward: {result['start_eval_reward']:.3f}", head, "-" * len(head)]
+    lines = [f"starting checkpoint eval reward: {result['start_eval_reward']:.3f}; {result['seeds']} seed(s)", head, "-" * len(head)]
     for mode, s in result["modes"].items():
-        ttt = f"{s['time_to_target_s']:.1f}s" if s["time_to_target_s"] is not None else "-"
+        sd = lambda key: s[f"{key}_spread"]["std"]  # noqa: E731
+        survival = " ".join(f"{x:.2f}" for x in s.get("survival_by_length_decile", []))
         lines.append(
-            f"{mode:<13}{s['steps']:>6}{s['tokens_per_s']:>9.0f}{s['fresh_samples_per_s']:>9.1f}{s['trainer_idle_ratio']:>10.2f}"
-            f"{s['rollout_idle_ratio']:>10.2f}{s['replay_fraction']:>8.2f}{s['reward_first5']:>10.3f}{s['reward_last5']:>9.3f}"
-            f"{s['eval_reward_at_equal_time']:>12.3f}{ttt:>11}  "
-            + "/".join(f"{share:.2f}" for share in s["staleness_distribution"].values())
+            f"{mode:<13}{s['steps']:>6.0f}{s['tokens_per_s']:>8.0f}±{sd('tokens_per_s'):<5.0f}"
+            f"{s['fresh_samples_per_s']:>6.1f}±{sd('fresh_samples_per_s'):<5.1f}"
+            f"{s['eval_reward_at_equal_time']:>9.3f}±{sd('eval_reward_at_equal_time'):<6.3f}{s['evicted_fraction']:>9.3f}"
+            f"{s['trainer_idle_ratio']:>9.2f}{s['rollout_idle_ratio']:>10.2f}{s['replay_fraction']:>7.2f}  {survival}"
         )
-    if "reflow_speedup_vs_best_other" in result:
-        lines.append(f"reflow vs best other ({result['best_other_mode']}): {result['reflow_speedup_vs_best_other']:.2f}x tokens/s")
-        lines.append(
-            f"reflow eval reward at equal time minus the best other's ({result['best_other_mode_by_eval_reward']}): "
-            f"{result['reflow_eval_reward_minus_best_other']:+.3f}"
-        )
+    for name, target in result.get("targets", {}).items():
+        lines.append(f"target {name}: {json.dumps(target)}")
     return "\n".join(lines)
