@@ -124,9 +124,10 @@ class Rollout:
     tensor_parallel_degree: int = 1
     """vLLM tensor parallel degree per engine (s_R). Only 1 is supported in this build."""
     b_max: int = 0
-    """B_max ('reflow' mode): samples that may start generating per trainer step, over all rollout ranks
-    (a multiple of group_size, >= the batch). 0 = the batch, prompts_per_step * group_size, as in the paper.
-    'one_step_off' and 'async' bound the samples started but not yet trained instead (modes/decoupled.py)."""
+    """B_max ('reflow' mode): most samples that may start generating between two trainer steps, over all
+    rollout ranks (a multiple of group_size, >= the batch); credit a step leaves unused expires. 0 = the batch,
+    prompts_per_step * group_size, as in the paper. On top of it, as in 'async', the samples started but not
+    yet trained stay within (delta - weight_sync.interval + 2) batches (modes/decoupled.py)."""
 
 
 @dataclass
@@ -158,8 +159,16 @@ class Replay:
     tau: float = 0.5
     """Loss weight of a replayed sample relative to a fresh one (w = tau * omega)."""
     delta: int = 2
-    """Staleness bound: only samples generated within the last delta policy versions are kept.
+    """Staleness bound: a sample is trained only within delta policy versions of its anchor (staleness_from).
     In 'async' mode this is the staleness k; 'one_step_off' uses 1."""
+    staleness_from: str = "finish"
+    """'async' and 'reflow': the version a sample's staleness counts from. 'finish': the version at which its
+    group finished, as verl's fully-async stamps it (a long answer is as fresh as a short one that arrives with
+    it); 'start': the version that produced its oldest token. 'one_step_off' always counts from the start."""
+    max_head_lag: int = 0
+    """'async' and 'reflow': model tokens more than this many versions behind the policy being trained are
+    masked out of the loss (the rest of the trajectory still trains). 0 (default): 2 x delta, so a token is at
+    most twice as stale as the freshness bound of a whole sample allows; otherwise >= delta."""
     sampler: str = "random"
     """Which replayed samples fill a batch: 'random' or 'medium_reward'."""
     filter: str = "accept_all"

@@ -22,6 +22,14 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         fail("replay.tau", f"must be >= 0, got {rp.tau}")
     if rp.delta < 0:
         fail("replay.delta", f"must be >= 0, got {rp.delta}")
+    if rp.staleness_from not in ("finish", "start"):
+        fail("replay.staleness_from", f"must be 'finish' or 'start', got {rp.staleness_from!r}")
+    if rp.max_head_lag < 0 or (rp.max_head_lag and rp.max_head_lag < rp.delta):
+        fail(
+            "replay.max_head_lag",
+            f"= {rp.max_head_lag} must be 0 (2 x delta) or >= replay.delta = {rp.delta}: a sample trained within delta "
+            "would otherwise lose even its newest tokens",
+        )
     if r.b_max < 0:
         fail("rollout.b_max", f"must be >= 0, got {r.b_max}")
     from reflow.replay.policies import FILTERS, SAMPLERS
@@ -265,7 +273,7 @@ def _validate_decoupled(cfg: JobConfig, placement, where) -> None:
                 "ranks or raise training.prompts_per_step" + (" or rollout.b_max" if mode == "reflow" else "")
             )
     if mode == "one_step_off":
-        per_rank = max(sum(row) for row in share_groups(rule.window // group_size, num_rollout, num_shards)) * group_size
+        per_rank = max(share_groups(rule.window // group_size, num_rollout)) * group_size
         if cfg.rollout.max_num_seqs < per_rank:
             raise ConfigError(
                 f"{where('rollout.max_num_seqs')}: 'rollout.max_num_seqs' = {cfg.rollout.max_num_seqs} must be >= "
@@ -280,6 +288,8 @@ MODE_KEYS = {
     "replay.sampler": ("reflow",),
     "replay.filter": ("reflow",),
     "replay.delta": ("async", "reflow"),
+    "replay.staleness_from": ("async", "reflow"),
+    "replay.max_head_lag": ("async", "reflow"),
     "weight_sync.interval": ("sync", "async", "reflow"),
 }
 """Keys that only some modes read; one_step_off fixes delta = 1 and a sync every step by definition."""

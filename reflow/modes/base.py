@@ -78,6 +78,8 @@ class ModeBase:
     name = "base"
     max_staleness = 0
     """Largest staleness a trained sample can have in this mode (the length of ``staleness_counts`` - 1)."""
+    staleness_anchor = "start"
+    """The version a trained sample's staleness counts from ('finish' or 'start'; sync mode trains only 0)."""
     evaluates_in_loop = True
     """The train loop evaluates every metrics.eval_interval steps (every rank generates); the decoupled modes'
     rollout ranks evaluate at weight syncs instead, off the trainer's path."""
@@ -232,7 +234,7 @@ class ModeBase:
         samples = new_samples
         staleness = [0] * (self.max_staleness + 1)
         for s in trained:
-            age = s.staleness(trained_version)
+            age = s.staleness(trained_version, self.staleness_anchor)
             if not 0 <= age <= self.max_staleness:
                 raise RuntimeError(f"sample {s.uid} trained at staleness {age}, outside [0, {self.max_staleness}]")
             staleness[age] += 1

@@ -17,14 +17,17 @@ class SyncWeights:
 
 @dataclass(frozen=True)
 class Progress:
-    """The trainer's progress as this rollout rank's dispatch budget needs it (cumulative, so idempotent)."""
+    """The trainer's progress as this rollout worker needs it (cumulative counts, so a late or repeated word is
+    harmless)."""
 
     steps_done: int
-    retired: tuple[int, ...]
-    """Per trainer shard: samples of this rollout rank trained for the first time or evicted unused."""
-    granted: tuple[int, ...] | None = None
-    """Per trainer shard: samples the global dispatcher has granted this rank so far (scheduler.kv_admission
-    in async and reflow); None with fixed shares."""
+    retired: int
+    """Samples of this worker trained for the first time or evicted unused, over all trainer shards."""
+    granted: int | None = None
+    """Samples the global dispatcher has granted this worker so far (scheduler.kv_admission in async and
+    reflow); None with fixed shares."""
+    shard_unused: tuple[int, ...] | None = None
+    """Unused samples per trainer shard when this word was sent: where finished groups are routed."""
 
 
 @dataclass(frozen=True)

@@ -1,88 +1,108 @@
 """Decoupled modes: trainer ranks train from their replay-buffer shard while rollout ranks stream samples.
 
-What each mode is (``reflow.modes.settings.resolve_settings``); b = training.prompts_per_step x training.group_size:
+What each mode is (``reflow.modes.settings.resolve_settings``); b = training.prompts_per_step x training.group_size,
+k = the weight-sync interval, A = trainer shards:
 
-    one_step_off  sigma 0, delta 1, sync every step, window 2b (steps_ahead 1), and a shard trains only
-                  samples exactly one version old: the batch the previous policy began, while the current
-                  policy generates the next one (verl's one_step_off_policy recipe). After the first step
-                  every trained sample has staleness exactly 1. One difference from verl, which finishes
-                  the previous batch on the old weights before it syncs: a sample still generating at the
-                  sync continues under the new weights (a partial rollout, as in async). Its staleness,
-                  counted from its oldest token, is still 1, and the baseline is no weaker for it.
-    async         sigma 0, delta = replay.delta, sync every weight_sync.interval = k steps, partial
-                  rollouts held across syncs, window (steps_ahead + 1) x b with steps_ahead = delta - k + 1
-                  (the paper's VeRL-async; verl fully_async, AReaL's max_head_offpolicyness and Tinker's
-                  sampling_steps_ahead bound the work ahead of the trainer the same way). Why that
-                  steps_ahead: a sample started when the trainer has done s steps runs on weights no older
-                  than s - (k - 1); if samples finish in the order they start, at most (steps_ahead + 1) x b
-                  are ahead of it and b are consumed per step, so it is trained by version s + steps_ahead,
-                  at staleness <= steps_ahead + k - 1 = delta: the largest look-ahead at which nothing is
-                  generated in vain. A long-tail sample overtaken by later ones can still exceed delta
-                  (shards take samples in arrival order); it is then evicted, never trained.
-    reflow        sigma, tau, delta, k from the config, and the paper's dispatch rule: B_max samples may
-                  start per trainer step (rollout.b_max, default b), whatever the step consumed; bounded
-                  replay lets a shard step on b(1 - sigma) fresh samples, so generation runs ahead.
+    one_step_off  sigma 0, delta 1, sync every step, window 2b (steps_ahead 1), staleness counted from the
+                  start, and a shard trains only samples exactly one version old: the batch the previous
+                  policy began, while the current policy generates the next one (verl's
+                  one_step_off_policy recipe). After the first step every trained sample has staleness
+                  exactly 1. One difference from verl, which finishes the previous batch on the old weights
+                  before it syncs: a sample still generating at the sync continues under the new weights (a
+                  partial rollout, as in async). Its staleness, counted from its oldest token, is still 1.
+    async         sigma 0, delta = replay.delta, sync every k steps, partial rollouts held across syncs,
+                  window (steps_ahead + 1) x b with steps_ahead = delta - k + 1 (the paper's VeRL-async;
+                  verl fully_async, AReaL's max_head_offpolicyness and Tinker's sampling_steps_ahead bound the
+                  work ahead of the trainer the same way), staleness counted from the version at which a
+                  sample's group finished (replay.staleness_from, as verl's fully-async stamps it).
+    reflow        async's window and anchor, plus the paper's B_max (rollout.b_max, default b): at most B_max
+                  samples start between two trainer steps, and credit a step leaves unused expires. Bounded
+                  replay lets a shard step on b(1 - sigma) fresh samples topped up to exactly b with replayed
+                  ones (loss weight tau).
 
-The dispatch rule lives in one place, ``reflow.scheduler.dispatch``: per trainer shard, whole groups,
-destination shard fixed at admission; each (rollout rank, shard) pair owns a fixed share of it, or, with
-scheduler.kv_admission, trainer rank 0's ``GroupDispatcher`` deals each shard's room to the rollout ranks
-by their KV load (carried in Progress). A sample is *started* when admitted to an
-engine and *retired* when trained for the first time or evicted unused.
+The replay cycle: the rule, and why nothing is generated in vain
+----------------------------------------------------------------
+A sample is *started* when admitted to an engine and *retired* when trained for the first time or evicted
+unused. (R1) Admission: started - retired <= W = (delta - k + 2) x b over all shards (the window, in whole
+groups; ``reflow.scheduler.dispatch``: every rollout worker owns a fixed share, or with
+scheduler.kv_admission trainer rank 0's ``GroupDispatcher`` deals the room by KV load), and in reflow
+at most B_max starts per step period. (R2) Anchor: a group is stamped with the engine version at which it
+finished; its staleness is the trained version minus that (``replay.staleness_from = "start"`` keeps the old
+anchor, the oldest token, for measurement). Model tokens older than replay.max_head_lag versions (default
+2 delta) are masked out of the loss, the rest of the trajectory trains; per-token versions still feed
+truncated importance sampling. (R3) Consumption: every shard takes fresh samples earliest deadline first
+(oldest finish version, ties by arrival) and a batch holds exactly b/A samples: the trainer waits until every
+shard has ceil(b(1 - sigma)/A) fresh ones and fresh plus replayable fill b/A. (R4) Binding: a group is bound
+to a shard when it arrives (``reflow.scheduler.routing.ShardRouter``: the fewest unused samples, by the
+counts in the latest Progress), not when admitted; while the trainer waits, shards short of samples take the
+surplus of others beyond their own need (``plan_moves``, computed alike on every trainer rank from the
+readiness all-reduce; the donor sends its latest-deadline samples).
+
+Why nothing is wasted. A group finishes at engine version f and arrives while the trainer is at v, with
+f <= v <= f + k - 1 (engines sync every k steps). Every sample ahead of it in its shard's deadline order
+finished no later, so it was started before this one arrived: all of them are among the <= W samples
+outstanding then, spread over the shards by R4, so <= W/A - 1 are ahead of it in its shard. Each step takes
+b/A from the front of the shard (or every unused sample, this one too), so it is trained within
+W/b = delta - k + 2 steps, by version v + delta - k + 1 <= f + delta: within its bound. Nothing it started
+goes stale, so the evictions the ledger counts (``EVICTION_CAUSES``) come only from what the argument leaves
+out: routing that is a moment stale, samples restored or handed over outside every window, and a resumed
+run's first versions. (Counted from the start, a long answer overtaken by later ones exceeds delta and is
+evicted: the old anchor's length bias.)
 
 Control-plane protocol (who waits for whom, and why it cannot deadlock)
 -----------------------------------------------------------------------
-Planes: the data plane (any rank -> any rank: groups to trainer shards, stats to rank 0, buffer handovers)
-and the control plane (rank 0 -> any other rank) each run on their own gloo group, one background thread
-per process and plane (``reflow.dataplane``); every rank can send and receive, because its role may change.
-Rank 0 trains in every placement and leads. Collectives happen only on the main threads:
+Planes: the data plane (any rank -> any rank: groups to trainer shards, moves between shards, stats to rank
+0, buffer handovers) and the control plane (rank 0 -> any other rank) each run on their own gloo group, one
+background thread per process and plane (``reflow.dataplane``); every rank can send and receive, because its
+role may change. Rank 0 trains in every placement and leads. Collectives happen only on the main threads:
 
-  trainer ranks   loop: drain the data inbox into the buffer shard; evict samples staler than delta;
-                  all-reduce(SUM) over the trainer group of "my shard cannot serve a batch yet" and of
-                  the retired counts (per rollout rank and shard); rank 0 sends each rollout rank a
-                  Progress with its row (and its grants, dealt by the latest load reports, when the
-                  dispatcher deals) whenever the counts changed; if some shard is not ready, sleep
-                  2 ms (trainer idle) and repeat; else train one step. After the step: at a sync point
-                  (every k steps) rank 0 sends SyncWeights(v), every trainer rank evicts, then joins the
-                  weight sync (trainer-mesh gathers + broadcast to rollout ranks); then the same
-                  all-reduce, and rank 0 sends Progress(steps done, retired), after SyncWeights.
+  trainer ranks   loop: drain the data inbox into the buffer shard (a group already past its bound is retired
+                  at once); evict samples past delta; all-reduce(SUM) over the trainer group of "my shard
+                  cannot serve a batch yet", the retired counts (per rollout worker) and each shard's
+                  eligible, needed and unused counts; rank 0 sends each rollout worker a Progress with its
+                  count, the shards' unused counts (and its grants, dealt by the latest load reports, when
+                  the dispatcher deals) whenever they changed; if some shard is not ready, every rank makes
+                  its part of the moves, sleeps 2 ms (trainer idle) and repeats; else it trains one step.
+                  After the step: at a sync point (every k steps) rank 0 sends SyncWeights(v), every trainer
+                  rank evicts, then joins the weight sync (trainer-mesh gathers + broadcast to rollout ranks);
+                  then the same all-reduce, and rank 0 sends Progress, after SyncWeights.
   rollout ranks   loop (``rollout_worker``): take commands between engine steps, never inside one.
                   SyncWeights(v): step until every admitted request has its first token, hold in-flight
                   requests with their prefix (partial rollout), join the weight sync, resume them.
-                  Progress: update the dispatch budget. Then admit whole groups while the budget has room
-                  on some shard and the engine has capacity; step the engine; every finished group is
-                  scored and put on the data outbox at once. With nothing in flight, block on the control
-                  inbox (rollout idle).
+                  Progress: update the dispatch budget and the router. Then admit whole groups while the
+                  budget has room and the engine has capacity; step the engine; every finished group is
+                  stamped, scored, routed and put on the data outbox at once. With nothing in flight, block
+                  on the control inbox (rollout idle).
 
 Invariants the argument uses. (I1) A sample's birth version (oldest token) is the engine version it was
 admitted under: the first-token rule at SyncWeights. (I2) Commands arrive in the order sent, and a rollout
-rank admits what a Progress grants before it applies the next command, unless its admission gate (the
+worker admits what a Progress allows before it applies the next command, unless its admission gate (the
 scheduler's concurrency cap or KV rule, async and reflow only) holds a group back; the gate only does so
 while trajectories are in flight (in the engine, or at a tool, whose calls end within the sandbox's or the
-tool's time limit), so the group starts after finitely many engine steps, under
-weights at least as new: later and fresher, never staler. So the room granted after step s
-is admitted after the SyncWeights of step s and before the next one: on weights no older than s - (k - 1),
-and, with k = 1, exactly s. (I3) Every shard owns a fixed share of each limit (whole groups),
-at least b/A over the rollout ranks (A trainer shards; training.prompts_per_step is a multiple of A). Which
-rollout rank starts a shard's groups does not enter the argument: a dealing dispatcher hands out all the
-room the rule allows as soon as it appears (it never withholds any), and every rank admits its grants under
-I2.
+tool's time limit), so the group starts after finitely many engine steps, under weights at least as new:
+later and fresher, never staler. So the room allowed after step s is admitted after the SyncWeights of step
+s and before the next one: on weights no older than s - (k - 1). (I3) Every rollout worker owns a fixed
+share of each limit in whole groups, never smaller than its share of b (``share_groups``), or the dealing
+dispatcher hands out all the room the rule allows as soon as it appears (it never withholds any); and a
+period's B_max credit expires only when the trainer steps, never while it waits.
 
 No deadlock. (1) The weight sync is the only collective both roles join; both enter it only for a
 SyncWeights(v) that trainer rank 0 sent in step order, and a rollout rank reaches it after finishing the
-engine steps that give its newest requests their first token. (2) A waiting shard is eventually served.
-While the trainer waits at version v nothing it holds ages, and the engines keep stepping. Window modes:
-every sample of a shard's window share (>= 2b/A) either arrives within delta and stays unused there, or
-arrives stale, is evicted, retired and replaced by one started on weights no older than v - (k - 1) >=
-v - delta, which cannot go stale while the trainer waits; so the share ends up unused in the shard, and
-b/A of it is enough. reflow: the share granted after the last step (>= b/A) was started after it (I2),
-cannot have been consumed yet and does not go stale, so >= b/A >= b(1 - sigma)/A unused samples arrive.
-one_step_off (window 2b, k = 1, eligible = born at v - 1): by induction on v from the version the run
-started or resumed at (where every sample is born and the floor is 0), each shard gets exactly b/A samples
-born at v - 1 and b/A born at v, because the room a step's Progress grants is what that step
-consumed, and all of it is admitted at once (validated: rollout.max_num_seqs holds a rank's whole share of
-the window, and no admission gate runs in this mode; I1, I2). (3) At the end rank 0 sends Stop; rollout ranks drop their in-flight requests; every rank
+engine steps that give its newest requests their first token. (2) A waiting trainer is eventually served.
+While it waits at version v nothing it holds ages, no credit expires, and the engines keep stepping; a group
+that arrives now finished at f >= v - (k - 1) >= v - delta and is eligible. Each worker r either has its
+window share full (all of it finished, unused, in some shard, once nothing is in flight) or has started its
+whole B_max share of this period (which cannot have been consumed yet); either way, by I3, at least its share
+of b arrives and stays unused, so >= b eligible samples end up in the shards together. Then ``plan_moves``
+gives every short shard what it lacks from the others' surplus (the total covers every shard's need, since
+need <= b/A), and every shard is ready. one_step_off (window 2b, k = 1, eligible = born at v - 1): by
+induction on v from the version the run started or resumed at (where every sample is born and the floor is
+0), exactly b samples are born at v - 1 and b at v, because the room a step's Progress allows is what that
+step consumed, all of it admitted at once (validated: rollout.max_num_seqs holds a worker's whole share of
+the window, and no admission gate runs in this mode; I1, I2); the moves spread version v - 1's b over the
+shards, b/A each. (3) At the end rank 0 sends Stop; rollout ranks drop their in-flight requests; every rank
 sends END to every other rank on the data plane and drains until END from every other rank. Every thread
-exits; nothing sent is left unreceived.
+exits; nothing sent is left unreceived (a move in transit arrives before its sender's END).
 
 Rollout tensor parallelism (rollout.tensor_parallel_degree = s_R > 1). A rollout "rank" above is a rollout
 *worker*: the first rank of an engine's block of s_R ranks. It alone receives commands, admits, reports and
@@ -97,7 +117,8 @@ scheduler.adaptive_placement, fed the step rows since its last decision) and bro
 trainer ranks; on a change, the trainer ranks leave their loop and rank 0 sends Transition(n') to every
 rollout rank instead of the next command. Placements' trainer ranks are a prefix of the world (0 .. n S - 1). A rollout rank generates
 everything it admitted to the end, sends it, sends FLUSH to every trainer rank and joins; a trainer rank
-drains until FLUSH from every rollout rank (so each shard holds every group addressed to it); then every
+drains until FLUSH from every rollout rank (so each shard holds every group sent to it) and until every
+move between shards has arrived; then every
 rank, in the same order: the trainer resize (``PolicyTrainer.resize``: staying ranks keep their shards,
 joining ranks receive them by bucketized broadcast over the new mesh's dp_replicate groups), a leaving
 shard hands its buffer to a staying one, rank 0 broadcasts the trainer's clock (step, version), every rank
@@ -106,9 +127,10 @@ placement's weight sync puts the weights into every engine that now generates. N
 it in step order, like a weight sync; a rollout rank reaches it after finitely many engine steps; FLUSH
 arrives after every group its sender sent (one sender's messages arrive in order), and the rest is
 collectives that every rank enters in the same order. Every group sent before the change reaches the shard
-it was addressed to before that shard moves; a group admitted after it is addressed within the new
-placement. reflow's dispatch rule (B_max per step) needs nothing carried over: the new budgets start at the
-step of the change, and each shard's retired counts restart with them.
+it was bound to before that shard moves; a group that finishes after it is bound within the new placement.
+The dispatch rule needs nothing carried over: the new budgets start at the step of the change, the retired
+counts restart with them, and every sample a shard holds then (its own, or handed over) counts against no
+budget (origin -1), as after a resume: extra supply, outside every window.
 
 Checkpoints and resume (``checkpoint_state``, ``_restore``). A checkpoint, taken by the trainer ranks at the end
 of a step, holds each shard's buffer and the prompt stream's position: the frontier (one past the furthest draw
@@ -145,12 +167,28 @@ from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.modes.settings import resolve_settings
 from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
 from reflow.scheduler.dispatch import GroupDispatcher
+from reflow.scheduler.routing import Move, ShardCounts, plan_moves
+from reflow.trainer.batch import mask_stale_tokens
 
+
+EVICTION_CAUSES = ("arrived_stale", "aged", "at_sync")
+"""Why an unused sample was evicted: it was already past its bound when it arrived; it aged past it in the
+buffer while the trainer waited or stepped; or it was found past it at a weight sync."""
 
 _SUMMED_ROLLOUT_STATS = (
     "busy_s", "idle_s", "tool_wait_s", "engine_steps", "step_sequences", "preemptions", "admitted_groups", "gate_refusals"
 )
 """Rollout-worker report fields that add up over a window."""
+
+
+def survival_by_decile(retired: list[tuple[int, bool]]) -> list[float]:
+    """``retired``: (response length, trained fresh) per retired sample. Ten equal-count bins by length, shortest
+    first: the share of each bin trained fresh (empty when fewer than ten samples retired)."""
+    if len(retired) < 10:
+        return []
+    ordered = sorted(retired)
+    bins = [ordered[len(ordered) * k // 10 : len(ordered) * (k + 1) // 10] for k in range(10)]
+    return [sum(kept for _, kept in b) / len(b) for b in bins]
 
 
 class DecoupledMode(ModeBase):
@@ -160,6 +198,7 @@ class DecoupledMode(ModeBase):
         self.name = cfg.training.mode
         self.settings = resolve_settings(cfg)
         self.max_staleness = self.settings.delta
+        self.staleness_anchor = self.settings.anchor
         self.evaluates_in_loop = False  # the rollout ranks evaluate at weight syncs (``RolloutWorker._evaluate``)
         self.pending_evals: dict[int, dict] = {}  # rank 0: held-out evaluations by policy version, as reports arrive
         self.rank = parts.rank
@@ -177,12 +216,17 @@ class DecoupledMode(ModeBase):
         self.steps_done = 0
         self.received_in_window = 0  # samples that reached this shard since the previous step
         self.received_tokens_in_window = 0  # and their response tokens (trained or not: evicted ones count too)
+        self.received_reward_in_window = 0.0  # and their rewards
+        self.evicted_in_window = {cause: 0 for cause in EVICTION_CAUSES}  # unused samples evicted since, by cause
+        self.retired_lengths: list[tuple[int, bool]] = []  # (response length, trained fresh) of samples retired since
+        self.awaiting_moved = 0  # eligible samples other shards are sending this one (``plan_moves``)
         self.buffer: ReplayBuffer | None = None
         self.rollout_stats: dict[int, dict] = {}  # rank 0: busy/idle seconds per rollout rank since the last step
         # the last window's ratio, KV usage and caps, repeated by a step with no report in it
         self.carried_rollout_state: dict = {"rollout_idle_ratio": 0.0, "kv_usage_mean": 0.0, "concurrency_caps": {}}
         self.ledger: dict = {
             "received": [], "consumed": [], "steps": [], "evicted_unused": [], "evicted_replayable": 0,
+            "eviction_causes": {}, "moved_out": [], "moved_in": [],
             "handed_over_unused": [], "handed_in_unused": [], "left_unused": [], "transitions": [],
             "started": [], "sent": [], "dropped_at_stop": [], "restored": [],
         }
@@ -262,6 +306,7 @@ class DecoupledMode(ModeBase):
                     build_filter(cfg.replay.filter, cfg.replay.filter_reward_low, cfg.replay.filter_reward_high),
                     seed=cfg.job.seed + self.rank,
                     min_staleness=self.settings.min_staleness,
+                    anchor=self.settings.anchor,
                 )
                 self.buffer.start_version = self.version
         if self.shares is not None:
@@ -274,8 +319,7 @@ class DecoupledMode(ModeBase):
             return None
         cfg = self.parts.cfg
         return GroupDispatcher(
-            self.settings.dispatch, len(self.rollout_workers), len(self.trainer_ranks), cfg.training.group_size,
-            cfg.scheduler.rho, start_step=self.step,
+            self.settings.dispatch, len(self.rollout_workers), cfg.training.group_size, cfg.scheduler.rho, start_step=self.step,
         )
 
     @property
@@ -299,17 +343,20 @@ class DecoupledMode(ModeBase):
             if message.kind != DATA:
                 continue
             body = message.body
-            if body["type"] in ("group", "handover"):
+            if body["type"] in ("group", "handover", "moved"):
                 samples = body["samples"]
                 if not self.is_trainer:
                     raise RuntimeError(f"rank {self.rank} generates but received samples from rank {message.src}")
-                self.buffer.add(samples)
                 if body["type"] == "group":
-                    self.ledger["received"].extend(s.uid for s in samples)
-                    self.received_draws.update(s.draw for s in samples)
-                    self.received_in_window += len(samples)
-                    self.received_tokens_in_window += sum(len(s.output_ids) for s in samples)
+                    self._receive_group(samples)
+                elif body["type"] == "moved":  # another shard's surplus, sent while this one waits (``plan_moves``)
+                    self.buffer.add(samples)
+                    self.awaiting_moved -= len(samples)
+                    self.ledger["moved_in"].extend(s.uid for s in samples)
                 else:  # a leaving shard's buffer: only its unused samples still await their fate
+                    for sample in samples:
+                        sample.origin = -1  # its budget belonged to the placement that ended
+                    self.buffer.add(samples)
                     self.ledger["handed_in_unused"].extend(s.uid for s in samples if s.use_count == 0)
                     self.received_draws.update(body["draws"])  # what it had delivered, for the checkpoints
             elif body["type"] == "stats":  # the sender's engine time, idle time and admission gate since its last report
@@ -330,53 +377,108 @@ class DecoupledMode(ModeBase):
             elif body["type"] == "flush":
                 self.flushed.add(message.src)
 
-    def _evict_stale(self) -> None:
-        """A long-tail sample can finish after its version left the window: never train on it; retire it."""
+    def _receive_group(self, samples: list[Sample]) -> None:
+        """A finished group bound to this shard: into the buffer, or retired at once if it arrived stale."""
+        self.ledger["received"].extend(s.uid for s in samples)
+        self.received_draws.update(s.draw for s in samples)
+        self.received_in_window += len(samples)
+        self.received_tokens_in_window += sum(len(s.output_ids) for s in samples)
+        self.received_reward_in_window += sum(s.reward for s in samples)
+        stale = [s for s in samples if self.buffer.is_stale(s, self.version)]
+        for sample in stale:
+            self._evicted_unused(sample, "arrived_stale")
+        self.buffer.add([s for s in samples if not self.buffer.is_stale(s, self.version)])
+
+    def _evict_stale(self, cause: str) -> None:
+        """Samples past their staleness bound are never trained (again); an unused one retires as evicted."""
         for sample in self.buffer.evict_stale(self.version):
             if sample.use_count == 0:
-                self._retire(sample)
-                self.ledger["evicted_unused"].append(sample.uid)
+                self._evicted_unused(sample, cause)
             else:
                 self.ledger["evicted_replayable"] += 1
 
-    def _retire(self, sample: Sample) -> None:
+    def _evicted_unused(self, sample: Sample, cause: str) -> None:
+        self._retire(sample, trained=False)
+        self.ledger["evicted_unused"].append(sample.uid)
+        self.ledger["eviction_causes"][sample.uid] = cause
+        self.evicted_in_window[cause] += 1
+
+    def _retire(self, sample: Sample, trained: bool) -> None:
         if 0 <= sample.origin < len(self.retired):
             self.retired[sample.origin] += 1
+        self.retired_lengths.append((len(sample.output_ids), trained))
 
-    def _exchange_progress(self, not_ready: bool) -> bool:
-        """All trainer ranks: are all shards ready? Rank 0 also tells the rollout ranks what was retired.
+    def _exchange_progress(self, ready: bool, plan: bool = False) -> tuple[bool, list[Move]]:
+        """All trainer ranks: is every shard ready, and (``plan``, while the trainer waits) which moves between
+        shards ``plan_moves`` makes of the counts? Rank 0 also tells the rollout workers what was retired, and
+        how many unused samples each shard holds (for routing).
 
-        One all-reduce(SUM) of [not-ready flags, retired[rollout rank][shard]] over the trainer group."""
-        num_rollout, num_shards = len(self.rollout_workers), len(self.trainer_ranks)
-        counts = torch.zeros(1 + num_rollout * num_shards, dtype=torch.long)
-        counts[0] = int(not_ready)
-        for rollout in range(num_rollout):
-            counts[1 + rollout * num_shards + self.shard_index] = self.retired[rollout]
+        One all-reduce(SUM) over the trainer group of [not-ready flags, retired per rollout worker, and per
+        shard: eligible samples (received or on their way), the samples its batch needs, urgent samples (at
+        their last version), unused samples]: every rank computes the same moves from it."""
+        num_rollout, num_shards, shard = len(self.rollout_workers), len(self.trainer_ranks), self.shard_index
+        counts = torch.zeros(1 + num_rollout + 4 * num_shards, dtype=torch.long)
+        counts[0] = int(not ready)
+        counts[1 : 1 + num_rollout] = torch.tensor(self.retired, dtype=torch.long)
+        per_shard = [
+            self.buffer.num_eligible(self.version) + self.awaiting_moved,
+            self.buffer.need(self.batch_per_shard),
+            self.buffer.num_urgent(self.version),
+            self.buffer.num_unused + self.awaiting_moved,
+        ]
+        base = 1 + num_rollout
+        for k, value in enumerate(per_shard):
+            counts[base + k * num_shards + shard] = value
         dist.all_reduce(counts, group=self.trainer_group)
+        eligible, needs, urgent, unused = (counts[base + k * num_shards : base + (k + 1) * num_shards].tolist() for k in range(4))
         if self.rank == self.control.leader:
-            retired = counts[1:].view(num_rollout, num_shards).tolist()
-            progress = (self.steps_done, tuple(tuple(row) for row in retired))
+            retired = counts[1 : 1 + num_rollout].tolist()
+            progress = (self.steps_done, tuple(retired), tuple(unused))
             if progress != self.published:
                 self.published = progress
                 granted = None
                 if self.dispatcher is not None:
-                    before = [sum(row) for row in self.dispatcher.granted]
+                    before = list(self.dispatcher.granted)
                     granted = self.dispatcher.deal(self.steps_done, retired)
                     for rollout, rank in enumerate(self.rollout_workers):
-                        dealt = (sum(granted[rollout]) - before[rollout]) // self.parts.cfg.training.group_size
+                        dealt = (granted[rollout] - before[rollout]) // self.parts.cfg.training.group_size
                         self.dealt_groups[str(rank)] = self.dealt_groups.get(str(rank), 0) + dealt
                 for rollout, rank in enumerate(self.rollout_workers):
-                    grants = tuple(granted[rollout]) if granted is not None else None
-                    self.control.send(rank, Progress(self.steps_done, tuple(retired[rollout]), grants))
-        return counts[0].item() == 0
+                    grant = granted[rollout] if granted is not None else None
+                    self.control.send(rank, Progress(self.steps_done, retired[rollout], grant, tuple(unused)))
+        moves = []
+        if plan:
+            shards = [ShardCounts(e, n, u, self.batch_per_shard) for e, n, u in zip(eligible, needs, urgent)]
+            moves = plan_moves(shards)
+        return counts[0].item() == 0, moves
+
+    def _apply_moves(self, moves: list[Move]) -> None:
+        """This shard's part of ``plan_moves``: a donor sends the samples named, a receiver expects them."""
+        for move in moves:
+            if move.donor == self.shard_index:
+                samples = self.buffer.take_eligible(move.first, move.count, self.version)
+                self.outbox.put(self.trainer_ranks[move.receiver], {"type": "moved", "samples": samples})
+                self.ledger["moved_out"].extend(s.uid for s in samples)
+            elif move.receiver == self.shard_index:
+                self.awaiting_moved += move.count
+
+    def _settle_moves(self) -> None:
+        """Receive until every sample other shards are moving to this one has arrived."""
+        while self.awaiting_moved:
+            self._receive()
+            time.sleep(0.002)
 
     def _wait_for_batch(self) -> None:
-        """Block (idle) until every trainer shard can serve a batch; all trainer ranks leave together."""
+        """Block (idle) until every trainer shard can serve a batch of exactly b/A and no move between shards is
+        pending or due; all trainer ranks leave together."""
         while True:
             self._receive()
-            self._evict_stale()
-            ready = self.buffer.can_serve(self.batch_per_shard, self.version)
-            if self._exchange_progress(not_ready=not ready):
+            self._evict_stale("aged")
+            ready = self.buffer.can_serve(self.batch_per_shard, self.version) and not self.awaiting_moved
+            all_ready, moves = self._exchange_progress(ready, plan=True)
+            if moves:
+                self._apply_moves(moves)
+            elif all_ready:
                 return
             time.sleep(0.002)
 
@@ -387,22 +489,32 @@ class DecoupledMode(ModeBase):
             eval_interval = parts.cfg.metrics.eval_interval
             if eval_interval and self.version % eval_interval == 0:  # the rollout ranks evaluate this version
                 self.pending_evals[self.version] = {"expected": len(self.rollout_workers), "reward_sum": 0.0, "count": 0, "reports": 0}
-        self._evict_stale()
+        self._evict_stale("at_sync")
         self.weight_sync.sync(parts.trainer, parts.engine, self.version)
 
     def train_one_step(self, step: int) -> dict:
         parts = self.parts
         timer = StepTimer()
-        # 1. wait until every shard can serve a batch (fresh samples within the staleness bounds)
+        # 1. wait until every shard can serve a batch of exactly b/A (fresh samples within the staleness bound)
         with timer("wait"):
             self._wait_for_batch()
-        # 2. plan: fresh samples (arrival order), replayed ones up to sigma, each with its loss weight
+        # 2. plan: fresh samples earliest deadline first, replayed ones up to sigma, each with its loss weight;
+        #    model tokens older than max_head_lag versions leave the loss
         plan = self.buffer.plan_batch(self.batch_per_shard, self.version)
+        assert plan is not None and plan.size == self.batch_per_shard, "every shard was ready for a whole batch"
         trained = plan.fresh + plan.replayed
         weights = [1.0] * len(plan.fresh) + [self.settings.tau] * len(plan.replayed)
         batch = to_batch(trained, parts.tokenizer.pad_id, weights)
+        model_tokens = batch.num_tokens()
+        masked = 0
+        if self.settings.max_head_lag is not None:
+            masked = mask_stale_tokens(batch, self.version - self.settings.max_head_lag)
         self.ledger["consumed"].extend(
-            {"uid": s.uid, "step": step, "staleness": s.staleness(self.version)} for s in plan.fresh
+            {
+                "uid": s.uid, "step": step, "staleness": self.buffer.staleness(s, self.version),
+                "head_lag": s.head_lag(self.version), "response_len": len(s.output_ids),
+            }
+            for s in plan.fresh
         )
         # 3. train, then hand consumed samples to the replay filter; first uses retire their samples
         train_start = time.time()
@@ -411,7 +523,7 @@ class DecoupledMode(ModeBase):
         self.ledger["steps"].append({"step": step, "version": self.version, "train_start": train_start, "train_end": time.time()})
         self.buffer.give_back(plan)
         for sample in plan.fresh:
-            self._retire(sample)
+            self._retire(sample, trained=True)
         self._drawn = max([self._drawn] + [s.draw + 1 for s in plan.fresh])
         trained_version = self.version
         self.version += 1
@@ -420,30 +532,15 @@ class DecoupledMode(ModeBase):
         with timer("sync"):
             if self.version % self.settings.interval == 0:
                 self._sync_weights()
-        self._exchange_progress(not_ready=False)
+        self._exchange_progress(ready=True)  # (only to tell the rollout workers)
         # 5. metrics over the trainer ranks
         row = self.step_metrics(
             plan.fresh, trained, stats, timer, trained_version, trainer_wait_s=timer.get("wait"), rollout_wait_s=0.0
         )
-        counts = torch.tensor(
-            [len(plan.fresh), len(plan.replayed), self.received_in_window, self.received_tokens_in_window], dtype=torch.float64
-        )
-        self.received_in_window = self.received_tokens_in_window = 0
-        dist.all_reduce(counts, group=self.trainer_group)
-        buffered = torch.tensor([len(self.buffer)], dtype=torch.float64)
-        dist.all_reduce(buffered, op=dist.ReduceOp.MAX, group=self.trainer_group)
-        fresh, replayed = int(counts[0]), int(counts[1])
-        replay_fraction = replayed / max(fresh + replayed, 1)
+        row.update(self._replay_cycle_metrics(plan, trained_version, model_tokens, masked))
         row.update(
-            fresh_samples=fresh,
-            replayed_samples=replayed,
-            received_samples=int(counts[2]),
-            # what the engines generated, before staleness eviction (response_len_mean is over trained samples)
-            received_response_len_mean=counts[3].item() / counts[2].item() if counts[2] else 0.0,
             trainer_wait_s=timer.get("wait"),
-            replay_fraction=replay_fraction,
-            alpha=replay_gradient_share(replay_fraction, self.settings.tau),
-            buffer_size_max=int(buffered.item()),
+            alpha=replay_gradient_share(row["replay_fraction"], self.settings.tau),
             **self._rollout_window(),
             placement=self.placement.name,
         )
@@ -452,6 +549,50 @@ class DecoupledMode(ModeBase):
             self.dealt_groups = {}
         row.update(self._finished_eval())
         return row
+
+    def _replay_cycle_metrics(self, plan, trained_version: int, model_tokens: int, masked: int) -> dict:
+        """What the replay cycle did in this step, over the trainer ranks: fresh and replayed samples, what arrived
+        (its count, response length and reward, evicted samples included: ``reward_mean`` is over trained ones),
+        unused samples evicted by cause, the head lag of the fresh samples (versions their oldest token is behind
+        the trained policy), the model tokens masked for lagging more than max_head_lag, and survival (trained
+        fresh / retired) per decile of response length among the samples retired since the previous step."""
+        head_lags = [0] * (max(self.max_staleness, self.settings.max_head_lag or 0) + 2)
+        for sample in plan.fresh:  # the last bucket holds every lag beyond the others
+            head_lags[min(sample.head_lag(trained_version), len(head_lags) - 1)] += 1
+        vec = torch.tensor(
+            [
+                len(plan.fresh), len(plan.replayed), self.received_in_window, self.received_tokens_in_window,
+                self.received_reward_in_window, model_tokens, masked,
+                *(self.evicted_in_window[cause] for cause in EVICTION_CAUSES), *head_lags,
+            ],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(vec, group=self.trainer_group)
+        buffered = torch.tensor([len(self.buffer)], dtype=torch.float64)
+        dist.all_reduce(buffered, op=dist.ReduceOp.MAX, group=self.trainer_group)
+        retired: list = [None] * dist.get_world_size(self.trainer_group)
+        dist.all_gather_object(retired, self.retired_lengths, group=self.trainer_group)
+        self.received_in_window = self.received_tokens_in_window = 0
+        self.received_reward_in_window = 0.0
+        self.evicted_in_window = {cause: 0 for cause in EVICTION_CAUSES}
+        self.retired_lengths = []
+        fresh, replayed, received = int(vec[0]), int(vec[1]), int(vec[2])
+        evicted = {cause: int(vec[7 + k]) for k, cause in enumerate(EVICTION_CAUSES)}
+        return {
+            "fresh_samples": fresh,
+            "replayed_samples": replayed,
+            "replay_fraction": replayed / max(fresh + replayed, 1),
+            "received_samples": received,
+            # what the engines generated, before staleness eviction (response_len_mean is over trained samples)
+            "received_response_len_mean": vec[3].item() / received if received else 0.0,
+            "received_reward_mean": vec[4].item() / received if received else 0.0,
+            "masked_token_frac": vec[6].item() / vec[5].item() if vec[5].item() else 0.0,
+            "evicted_unused": sum(evicted.values()),
+            **{f"evicted_{cause}": count for cause, count in evicted.items()},
+            "head_lag_counts": [int(x) for x in vec[7 + len(EVICTION_CAUSES) :].tolist()],
+            "survival_by_length_decile": survival_by_decile([pair for part in retired for pair in part]),
+            "buffer_size_max": int(buffered.item()),
+        }
 
     def _finished_eval(self) -> dict:
         """Rank 0: the newest evaluation every rollout rank has reported since the previous step, as
@@ -503,8 +644,8 @@ class DecoupledMode(ModeBase):
         parts = self.parts
         index = self.rollout_workers.index(self.rank)
         budget = DispatchBudget(
-            self.settings.dispatch, index, len(self.rollout_workers), len(self.trainer_ranks),
-            parts.cfg.training.group_size, start_step=self.step, dealt=self.dealt_dispatch,
+            self.settings.dispatch, index, len(self.rollout_workers), parts.cfg.training.group_size,
+            start_step=self.step, dealt=self.dealt_dispatch,
         )
         return RolloutWorker(
             parts, self.weight_sync, self.control, self.outbox, budget, self.stream, self.shares[index], index,
@@ -610,6 +751,7 @@ class DecoupledMode(ModeBase):
                 self._receive()
                 time.sleep(0.002)
             self.flushed.clear()
+            self._settle_moves()
         # 2. the trainer's shards
         resized = parts.trainer.resize(replicas, bucket_bytes=int(parts.cfg.weight_sync.bucket_size_mb * 2**20))
         # 3. a leaving shard's samples go to a staying one (use counts and versions kept)
@@ -630,6 +772,9 @@ class DecoupledMode(ModeBase):
         dist.all_gather_object(gathered, mine)
         self.shares = [gathered[rank] for rank in self.rollout_workers]
         self._enter(new)
+        if self.is_trainer:  # the budgets start afresh: no sample counts against one of the old placement's
+            for sample in self.buffer.unused + self.buffer.replayable:
+                sample.origin = -1
         # 5. weights into every engine that generates now (an engine that was asleep wakes in load_weights)
         self.weight_sync.sync(parts.trainer if self.is_trainer else None, parts.engine, self.version)
         if self.is_trainer and not old.is_trainer(self.rank) and not self.placement.is_rollout(self.rank):
@@ -672,17 +817,20 @@ class DecoupledMode(ModeBase):
         (one past the furthest draw delivered to any shard) and the holes below it (draws admitted but not
         delivered: generated again after a resume, so no prompt is lost or trained twice). Samples in flight
         are not saved; their prompts are holes. One all-gather of the draws delivered over the trainer group."""
+        self._settle_moves()  # a sample moving between shards is in one of them when saved
         extra, files = super().checkpoint_state()
         # one_step_off trains exactly the batch of the previous version, counted from the version the run
         # (re)started at (its no-deadlock induction): it saves no unused sample, their prompts become holes
         # (a group's samples stay together there: whole groups per shard and per batch)
         regenerate = self.settings.min_staleness > 0
         unused = [] if regenerate else self.buffer.unused
-        mine = self.received_draws - {sample.draw for sample in self.buffer.unused} if regenerate else self.received_draws
+        regenerated = {sample.draw for sample in self.buffer.unused} if regenerate else set()
         gathered: list = [None] * dist.get_world_size(self.trainer_group)
-        dist.all_gather_object(gathered, mine, group=self.trainer_group)
-        delivered = set().union(*gathered)
-        frontier = max([self.prompt_frontier - 1, *delivered]) + 1
+        dist.all_gather_object(gathered, (self.received_draws, regenerated), group=self.trainer_group)
+        received = set().union(*(draws for draws, _ in gathered))
+        # (a group's samples may sit in two shards after a move: its draw is a hole if any of them is unused)
+        delivered = received - set().union(*(draws for _, draws in gathered))
+        frontier = max([self.prompt_frontier - 1, *received]) + 1
         candidates = set(self.prompt_holes) | set(range(self.prompt_frontier, frontier))
         holes = sorted(candidates - delivered)
         extra["prompts_drawn"] = frontier

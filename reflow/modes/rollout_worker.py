@@ -5,16 +5,19 @@
                                             the requests in flight with their prefix, join the weight
                                             sync, resume them under version v (partial rollouts)
                             Progress        hand the trainer's counts (and, with the global dispatcher,
-                                            this rank's grants) to the dispatch budget
+                                            this rank's grants) to the dispatch budget, and the shards'
+                                            unused counts to the router
                             Stop            drop what is in flight and leave
-          2. admit        whole groups, while the dispatch budget has room on some trainer shard and the
-                          admission gate lets the next one in (``reflow.rollout.admission``: the
-                          concurrency cap, and with scheduler.kv_admission the KV rule, both counting the
-                          trajectories waiting on a tool; a worker with nothing in flight always admits); also right after each Progress, before the next command. A
-                          group's destination shard is fixed here
+          2. admit        whole groups, while the dispatch budget has room and the admission gate lets the
+                          next one in (``reflow.rollout.admission``: the concurrency cap, and with
+                          scheduler.kv_admission the KV rule, both counting the trajectories waiting on a
+                          tool; a worker with nothing in flight always admits); also right after each
+                          Progress, before the next command
           3. generate     one engine step (``reflow.rollout.turns``: a trajectory that calls a tool waits for its
                           environment off the engine, and re-enters it with the answer); a finished group is
-                          scored and put on the data outbox at once (the send happens on the outbox thread)
+                          stamped with the engine version it finished at, scored, bound to the trainer shard
+                          the router picks (``reflow.scheduler.routing``) and put on the data outbox at once
+                          (the send happens on the outbox thread)
           4. idle         nothing in flight: block on the control inbox until a command arrives
 
 Step 1's first-token rule makes a sample's birth version (its oldest token) equal to the version it was
@@ -36,6 +39,7 @@ from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.engine import Request, RolloutEngine
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget
+from reflow.scheduler.routing import ShardRouter
 from reflow.modes.prompts import PromptShare, PromptStream
 from reflow.tasks.base import Task
 
@@ -53,7 +57,8 @@ class GroupAssembler:
         self.origin = origin
         self.partial: dict[str, list[Request]] = {}
 
-    def add(self, req: Request) -> list[Sample] | None:
+    def add(self, req: Request, version: int) -> list[Sample] | None:
+        """``version``: the engine's, now; the group's finish version when ``req`` completes it."""
         members = self.partial.setdefault(req.meta["group"], [])
         members.append(req)
         if len(members) < self.group_size:
@@ -63,6 +68,7 @@ class GroupAssembler:
         assign_advantages(samples, self.normalize_std, self.eps)
         for sample in samples:
             sample.origin = self.origin
+            sample.finish_version = version
         return samples
 
     def waiting_ids(self) -> list[str]:
@@ -111,6 +117,7 @@ class RolloutWorker:
         self.task, self.tokenizer = parts.task, parts.tokenizer
         self.trainer_ranks = trainer_ranks
         self.control, self.outbox, self.budget = control, outbox, budget
+        self.router = ShardRouter(len(trainer_ranks), first=rollout_index)
         self.stream, self.share = stream, share
         self.group_size = cfg.training.group_size
         self.groups = GroupAssembler(
@@ -147,6 +154,7 @@ class RolloutWorker:
                     self.budget.update(command.steps_done, command.retired)
                     if command.granted is not None:
                         self.budget.grant(command.granted)
+                    self.router.update(command.shard_unused)
                     self._admit()  # on the weights of now, before a SyncWeights queued behind it applies
                 else:
                     raise TypeError(f"unknown control command {command!r}")
@@ -223,12 +231,11 @@ class RolloutWorker:
             self._finished(req)
 
     def _admit(self) -> None:
-        """Start whole groups while the dispatch budget has room on some shard and the admission gate (the
-        concurrency cap, and the KV rule when on) lets the next one in."""
+        """Start whole groups while the dispatch budget has room and the admission gate (the concurrency cap, and
+        the KV rule when on) lets the next one in."""
         cfg = self.cfg
         while True:
-            shard = self.budget.next_shard()
-            if shard is None:
+            if not self.budget.can_start():
                 return
             key = (self.share.peek(), self.engine.version)  # the seeds follow the version it starts under
             if self._next_group is None or self._next_group[0] != key:
@@ -245,20 +252,22 @@ class RolloutWorker:
             self._next_group = None
             now = time.time()
             for req in requests:
-                req.meta.update(shard=shard, admitted_at=now)
+                req.meta.update(admitted_at=now)
                 self.turns.add(req)
                 self.ledger["started"].append(req.request_id)
-            self.budget.record_start(shard)
+            self.budget.record_start()
 
     def _finished(self, req: Request) -> None:
-        samples = self.groups.add(req)
+        samples = self.groups.add(req, self.engine.version)
         if samples is None:
             return
-        destination = self.trainer_ranks[req.meta["shard"]]
+        destination = self.trainer_ranks[self.router.choose(len(samples))]  # bound to a shard on arrival
         self.outbox.put(destination, {"type": "group", "samples": samples})
         now = time.time()
         self.ledger["sent"].extend(
-            {"uid": s.uid, "to": destination, "admitted_at": req.meta["admitted_at"], "finished_at": now} for s in samples
+            {"uid": s.uid, "to": destination, "admitted_at": req.meta["admitted_at"], "finished_at": now,
+             "response_len": len(s.output_ids), "finish_version": s.finish_version}
+            for s in samples
         )
 
     def _report(self) -> None:
@@ -267,7 +276,7 @@ class RolloutWorker:
             {
                 "type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s,
                 "tool_wait_s": self.busy_idle.tool_wait_s, **self.gate.report(),
-                "load": self.gate.load(started=sum(self.budget.started)),
+                "load": self.gate.load(started=self.budget.started),
             },
         )
         self.busy_idle = BusyIdle()

@@ -19,8 +19,12 @@ class ModeSettings:
     min_staleness: int
     """A shard trains an unused sample only once it is at least this stale (one_step_off: 1)."""
     steps_ahead: int
-    """Window modes: batches generation may run ahead of the one being trained (0 for reflow)."""
+    """Batches generation may run ahead of the one being trained: the window is (steps_ahead + 1) batches."""
     dispatch: DispatchRule
+    anchor: str
+    """The version staleness counts from: 'finish' (the group's completion) or 'start' (its oldest token)."""
+    max_head_lag: int | None
+    """Model tokens more than this many versions behind the trained policy are masked out (None: no mask)."""
 
 
 def resolve_settings(cfg: JobConfig) -> ModeSettings:
@@ -29,19 +33,23 @@ def resolve_settings(cfg: JobConfig) -> ModeSettings:
     training, replay = cfg.training, cfg.replay
     batch = training.prompts_per_step * training.group_size
     if training.mode == "one_step_off":
+        # verl's one-step-off: the batch the previous policy began, so staleness counts from the start and is 1
         return ModeSettings(
-            sigma=0.0, tau=1.0, delta=1, interval=1, min_staleness=1, steps_ahead=1, dispatch=DispatchRule(window=2 * batch)
+            sigma=0.0, tau=1.0, delta=1, interval=1, min_staleness=1, steps_ahead=1, dispatch=DispatchRule(window=2 * batch),
+            anchor="start", max_head_lag=None,
         )
+    if training.mode not in ("async", "reflow"):
+        raise ValueError(f"training.mode {training.mode!r} is not a decoupled mode")
+    interval = cfg.weight_sync.interval
+    steps_ahead = replay.delta - interval + 1
+    window = (steps_ahead + 1) * batch
+    common = dict(
+        delta=replay.delta, interval=interval, min_staleness=0, steps_ahead=steps_ahead, anchor=replay.staleness_from,
+        max_head_lag=replay.max_head_lag or 2 * replay.delta,
+    )
     if training.mode == "async":
-        interval = cfg.weight_sync.interval
-        steps_ahead = replay.delta - interval + 1
-        return ModeSettings(
-            sigma=0.0, tau=1.0, delta=replay.delta, interval=interval, min_staleness=0, steps_ahead=steps_ahead,
-            dispatch=DispatchRule(window=(steps_ahead + 1) * batch),
-        )
-    if training.mode == "reflow":
-        return ModeSettings(
-            sigma=replay.sigma, tau=replay.tau, delta=replay.delta, interval=cfg.weight_sync.interval, min_staleness=0,
-            steps_ahead=0, dispatch=DispatchRule(per_step=cfg.rollout.b_max or batch),
-        )
-    raise ValueError(f"training.mode {training.mode!r} is not a decoupled mode")
+        return ModeSettings(sigma=0.0, tau=1.0, dispatch=DispatchRule(window=window), **common)
+    return ModeSettings(
+        sigma=replay.sigma, tau=replay.tau, dispatch=DispatchRule(window=window, per_step=cfg.rollout.b_max or batch),
+        **common,
+    )

@@ -71,6 +71,7 @@ def cmd_validate(args) -> int:
     bench = _bench_config(real)
     cfg, world = bench["cfg"], bench["world"]
     work_dir = os.path.dirname(os.path.abspath(args.real))
+    # the first seed's runs (``python -m reflow.bench modes --seeds N`` keeps the others beside them)
     metrics = {mode: os.path.join(work_dir, mode, "metrics.jsonl") for mode in MODES}
     missing = [path for path in metrics.values() if not os.path.exists(path)]
     if missing:
@@ -91,7 +92,7 @@ def cmd_validate(args) -> int:
         workload = dataclasses.replace(dataset, empirical=tuple(max(1, round(n * scale)) for n in dataset.empirical))
         sim = simulate(SimConfig(
             mode=mode, gpus=world, prompts_per_step=cfg.training.prompts_per_step, group_size=cfg.training.group_size,
-            steps=measured["steps"], replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
+            steps=int(round(measured["steps"])), replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
             sigma=cfg.replay.sigma, tau=cfg.replay.tau, delta=cfg.replay.delta,
             interval=1 if mode == "sync" else cfg.weight_sync.interval, b_max=cfg.rollout.b_max, warmup_steps=bench["warmup"],
         ), profile, workload)
@@ -100,9 +101,10 @@ def cmd_validate(args) -> int:
                    abs(sim["rollout_idle_ratio"] - measured["rollout_idle_ratio"]))
         throughput_errors.append(throughput)
         idle_errors.append(idle)
+        keys = ("tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio", "evicted_fraction")
         detail[mode] = {
-            "measured": {k: measured[k] for k in ("tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio")},
-            "simulated": {k: sim[k] for k in ("tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio")},
+            "measured": {k: measured.get(k, 0.0) for k in keys},
+            "simulated": {k: sim.get(k, 0.0) for k in keys},
             "throughput_error": throughput, "idle_error": idle,
         }
     result = {
@@ -123,7 +125,8 @@ def cmd_validate(args) -> int:
     _validate_png(args.out.replace(".json", ".png"), detail)
     for mode, row in detail.items():
         print(f"{mode:13s} tokens/s measured {row['measured']['tokens_per_s']:7.0f} simulated {row['simulated']['tokens_per_s']:7.0f} "
-              f"(error {row['throughput_error']:.2f}); idle error {row['idle_error']:.2f}")
+              f"(error {row['throughput_error']:.2f}); idle error {row['idle_error']:.2f}; evicted fraction measured "
+              f"{row['measured']['evicted_fraction']:.3f} simulated {row['simulated']['evicted_fraction']:.3f}")
     print(f"throughput_error {result['throughput_error']:.3f}, idle_error {result['idle_error']:.3f} (target 0.10); wrote {args.out}")
     return 0
 

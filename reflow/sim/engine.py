@@ -19,7 +19,6 @@ from reflow.sim.profiles import CostProfile
 class SimSequence:
     uid: str
     group: str
-    shard: int
     draw: int
     prompt_tokens: int
     target_tokens: int

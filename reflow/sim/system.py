@@ -1,14 +1,16 @@
 """The whole system in simulated time: rollout engines, trainer shards and the control loop of each mode,
-built on the real scheduling classes (``DispatchBudget``, ``GroupDispatcher``, ``ReplayBuffer``, ``ConcurrencyController``,
-``KVAdmission``, ``PlacementPlanner``, ``resolve_settings``), so the simulator runs the decisions the live
-system runs, at 8 to 128 GPUs.
+built on the real scheduling classes (``DispatchBudget``, ``GroupDispatcher``, ``ShardRouter``, ``plan_moves``,
+``ReplayBuffer``, ``ConcurrencyController``, ``KVAdmission``, ``PlacementPlanner``, ``resolve_settings``), so the
+simulator runs the decisions the live system runs, at 8 to 128 GPUs.
 
 Decoupled modes, one trainer step (``DecoupledSim.run``):
 
   1. wait     advance the engine with the earliest clock, one macro-step at a time, delivering each finished
-              group to its trainer shard, until every shard can serve its b/A samples (the trainer waits)
-  2. train    plan every shard's batch (fresh first, replayed up to sigma), train for the slowest rank's
-              tokens while every engine runs on to the end of the step
+              group (stamped with its finish version) to the shard the router picks, until every shard can
+              serve exactly b/A samples (the trainer waits); shards short of samples take others' surplus
+              (``plan_moves``)
+  2. train    plan every shard's batch (fresh earliest deadline first, replayed up to sigma), train for the
+              slowest rank's tokens while every engine runs on to the end of the step
   3. retire   first uses retire their samples; every rollout engine's budget learns the counts (Progress), and
               with scheduler.kv_admission the global dispatcher deals the new room by the engines' KV loads
   4. sync     every k steps: the trainer and every engine pause for the weight sync; engines admit new
@@ -33,6 +35,7 @@ from reflow.modes.settings import resolve_settings
 from reflow.replay import BufferedSample, ReplayBuffer, build_filter, build_sampler
 from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
 from reflow.scheduler.dispatch import GroupDispatcher, WorkerReport
+from reflow.scheduler.routing import ShardCounts, ShardRouter, plan_moves
 from reflow.scheduler.concurrency import (
     AdmissionRule,
     ConcurrencyController,
@@ -130,8 +133,11 @@ def summarize(records: list[StepRecord], warmup: int, transitions: list[dict]) -
 class _Rollout:
     """One simulated rollout rank: its engine, dispatch budget and admission rule (the live gate's)."""
 
-    def __init__(self, engine: SimEngine, budget: DispatchBudget, index: int, cfg: SimConfig, profile: CostProfile, workload: Workload):
-        self.engine, self.budget, self.index = engine, budget, index
+    def __init__(
+        self, engine: SimEngine, budget: DispatchBudget, router: ShardRouter, index: int, cfg: SimConfig, profile: CostProfile,
+        workload: Workload,
+    ):
+        self.engine, self.budget, self.router, self.index = engine, budget, router, index
         self.prompt_tokens, self.group_size = workload.prompt_tokens, cfg.group_size
         self.lengths = ResponseLengths(cfg.response_percentile, window=256, initial=workload.max_tokens)
         self.rule = AdmissionRule(
@@ -155,7 +161,7 @@ class _Rollout:
         load, estimate = self.rule.load(
             engine.num_active, engine.profile.kv_budget_tokens, self.prompt_tokens, self.group_size, self.groups_in_flight()
         )
-        return WorkerReport(load, estimate, sum(self.budget.started))
+        return WorkerReport(load, estimate, self.budget.started)
 
     def observe(self, finished: list[SimSequence]) -> None:
         for seq in finished:
@@ -181,7 +187,9 @@ class DecoupledSim:
         self.records: list[StepRecord] = []
         self.transitions: list[dict] = []
         self.evicted_unused = 0
+        self.generated = 0  # samples delivered to the shards
         self.received = 0  # samples delivered to the shards during the current step
+        self.moved = 0  # samples moved between shards (``plan_moves``)
         self.planner = (
             PlacementPlanner(PlannerSettings(
                 world_size=cfg.gpus, shard_degree=cfg.shard_degree,
@@ -204,7 +212,7 @@ class DecoupledSim:
     def _new_buffer(self, rank: int) -> ReplayBuffer:
         buffer = ReplayBuffer(
             self.settings.sigma, self.settings.delta, build_sampler("random"), build_filter("accept_all"),
-            seed=self.cfg.seed + rank, min_staleness=self.settings.min_staleness,
+            seed=self.cfg.seed + rank, min_staleness=self.settings.min_staleness, anchor=self.settings.anchor,
         )
         buffer.start_version = 0
         return buffer
@@ -218,7 +226,10 @@ class DecoupledSim:
         self.shards = self.shards[:num_shards] + [self._new_buffer(r) for r in range(len(self.shards), num_shards)]
         for index, buffer in enumerate(leaving):  # a leaving shard's samples go to a staying one
             self.shards[index % num_shards].add(buffer.drain())
-        self.retired = [[0] * num_shards for _ in range(num_rollout)]
+        for buffer in self.shards:  # the budgets start afresh: no sample counts against an old one
+            for sample in buffer.unused + buffer.replayable:
+                sample.origin = -1
+        self.retired = [0] * num_rollout
         engines = [r.engine for r in self.rollouts]
         kept = engines[len(engines) - num_rollout:] if num_rollout <= len(engines) else engines
         fresh = [SimEngine(self.profile, i) for i in range(num_rollout - len(kept))]
@@ -228,12 +239,15 @@ class DecoupledSim:
             engine.version = self.version
         dealt = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
         self.rollouts = [
-            _Rollout(engine, DispatchBudget(self.settings.dispatch, index, num_rollout, num_shards, cfg.group_size,
-                                            start_step=self.steps_done, dealt=dealt), index, cfg, self.profile, self.workload)
+            _Rollout(
+                engine,
+                DispatchBudget(self.settings.dispatch, index, num_rollout, cfg.group_size, start_step=self.steps_done, dealt=dealt),
+                ShardRouter(num_shards, first=index), index, cfg, self.profile, self.workload,
+            )
             for index, engine in enumerate(fresh + kept)
         ]
         self.dispatcher = (
-            GroupDispatcher(self.settings.dispatch, num_rollout, num_shards, cfg.group_size, cfg.rho, start_step=self.steps_done)
+            GroupDispatcher(self.settings.dispatch, num_rollout, cfg.group_size, cfg.rho, start_step=self.steps_done)
             if dealt else None
         )
         self._tell_budgets()
@@ -260,8 +274,7 @@ class DecoupledSim:
     def _admit(self, rollout: _Rollout) -> None:
         cfg, engine = self.cfg, rollout.engine
         while True:
-            shard = rollout.budget.next_shard()
-            if shard is None or not rollout.allows(self.workload.prompt_tokens, cfg.group_size):
+            if not rollout.budget.can_start() or not rollout.allows(self.workload.prompt_tokens, cfg.group_size):
                 return
             draw = self.draws
             self.draws += 1
@@ -272,12 +285,12 @@ class DecoupledSim:
                 turns = self.workload.tool_turns
                 points = [target * (t + 1) // (turns + 1) for t in range(turns)] if turns else []
                 sequences.append(SimSequence(
-                    uid=f"{group}/{k}", group=group, shard=shard, draw=draw, prompt_tokens=self.workload.prompt_tokens,
+                    uid=f"{group}/{k}", group=group, draw=draw, prompt_tokens=self.workload.prompt_tokens,
                     target_tokens=target, birth_version=engine.version, origin=rollout.index, turn_points=points,
                     tool_latency_s=self.workload.tool_latency_s,
                 ))
             engine.add(sequences)
-            rollout.budget.record_start(shard)
+            rollout.budget.record_start()
 
     def _deliver(self, rollout: _Rollout, finished: list[SimSequence]) -> None:
         rollout.observe(finished)
@@ -293,9 +306,18 @@ class DecoupledSim:
                 samples.append(BufferedSample(
                     uid=member.uid, draw=member.draw, group_id=member.group, prompt_ids=[], output_ids=[], logprobs=[],
                     versions=[member.birth_version], reward=0.5, origin=member.origin, advantage=1.0,
+                    finish_version=rollout.engine.version,
                 ))
-            self.shards[members[0].shard].add(samples)
+            # bound to a shard on arrival: the router sees the shards' counts exactly here (Progress, instantly)
+            rollout.router.update([buffer.num_unused for buffer in self.shards])
+            buffer = self.shards[rollout.router.choose(len(samples))]
             self.received += len(samples)
+            self.generated += len(samples)
+            for sample in samples:
+                if buffer.is_stale(sample, self.version):
+                    self._retire_evicted(sample)
+                else:
+                    buffer.add([sample])
 
     def _step_earliest(self) -> float | None:
         """One macro-step of the busy engine with the earliest clock; returns that engine's clock after it
@@ -332,21 +354,38 @@ class DecoupledSim:
             rollout.budget.update(self.steps_done, self.retired[rollout.index])
             if granted is not None:
                 rollout.budget.grant(granted[rollout.index])
+            rollout.router.update([buffer.num_unused for buffer in self.shards])
 
     # ---- trainer side ----------------------------------------------------------------------
 
+    def _retire(self, sample: BufferedSample) -> None:
+        if 0 <= sample.origin < len(self.retired):
+            self.retired[sample.origin] += 1
+
+    def _retire_evicted(self, sample: BufferedSample) -> None:
+        self.evicted_unused += 1
+        self._retire(sample)
+
     def _evict(self) -> None:
-        for shard_index, buffer in enumerate(self.shards):
+        for buffer in self.shards:
             for sample in buffer.evict_stale(self.version):
                 if sample.use_count == 0:
-                    self.evicted_unused += 1
-                    if 0 <= sample.origin < len(self.retired):
-                        self.retired[sample.origin][shard_index] += 1
+                    self._retire_evicted(sample)
 
     def _ready(self) -> bool:
+        """Every shard can serve exactly b/A; short shards first take others' surplus (moves are instant here)."""
         per_shard = self.cfg.batch // len(self.shards)
         self._evict()
-        return all(buffer.can_serve(per_shard, self.version) for buffer in self.shards)
+        while True:
+            moves = plan_moves([
+                ShardCounts(buffer.num_eligible(self.version), buffer.need(per_shard), buffer.num_urgent(self.version), per_shard)
+                for buffer in self.shards
+            ])
+            if not moves:
+                return all(buffer.can_serve(per_shard, self.version) for buffer in self.shards)
+            for move in moves:
+                self.shards[move.receiver].add(self.shards[move.donor].take_eligible(move.first, move.count, self.version))
+                self.moved += move.count
 
     def run(self) -> dict:
         cfg, profile = self.cfg, self.profile
@@ -374,20 +413,19 @@ class DecoupledSim:
             plans = [buffer.plan_batch(per_shard, self.version) for buffer in self.shards]
             rank_tokens = [sum(self.tokens[s.uid] for s in plan.fresh + plan.replayed) for plan in plans]
             staleness = [0] * (self.settings.delta + 1)
-            for plan in plans:
+            for buffer, plan in zip(self.shards, plans):
                 for sample in plan.fresh + plan.replayed:
-                    staleness[sample.staleness(self.version)] += 1
+                    staleness[buffer.staleness(sample, self.version)] += 1
             train_end = ready + profile.train_overhead_s + max(rank_tokens) * profile.train_token_s
             if len(self.shards) > 1:
                 train_end += profile.train_collective_s
             self._run_engines_to(train_end)
             self.clock = train_end
             # 3. retire and tell the budgets
-            for shard_index, (buffer, plan) in enumerate(zip(self.shards, plans)):
+            for buffer, plan in zip(self.shards, plans):
                 buffer.give_back(plan)
                 for sample in plan.fresh:
-                    if 0 <= sample.origin < len(self.retired):
-                        self.retired[sample.origin][shard_index] += 1
+                    self._retire(sample)
             self.version += 1
             self.steps_done += 1
             # 4. weight sync
@@ -422,6 +460,9 @@ class DecoupledSim:
                     self.transitions[-1]["reason"] = decision.reason
         result = summarize(self.records, cfg.warmup_steps, self.transitions)
         result["evicted_unused"] = self.evicted_unused
+        trained_fresh = sum(r.fresh for r in self.records)
+        result["evicted_fraction"] = self.evicted_unused / max(self.evicted_unused + trained_fresh, 1)
+        result["moved_between_shards"] = self.moved
         result["preemptions"] = sum(engine.preemptions for engine in self.engines_ever)
         result["staleness_counts"] = [sum(r.staleness[k] for r in self.records) for k in range(self.settings.delta + 1)]
         return result
@@ -440,7 +481,7 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
             rank = prompt % cfg.gpus
             group = f"s{step}-{prompt}"
             engines[rank].add([
-                SimSequence(f"{group}/{k}", group, rank, prompt, workload.prompt_tokens,
+                SimSequence(f"{group}/{k}", group, prompt, workload.prompt_tokens,
                             workload.response_length(rng, step - 1), step - 1, rank)
                 for k in range(cfg.group_size)
             ])

@@ -97,3 +97,12 @@ def zero_batch(template: TrainBatch | None) -> TrainBatch:
 
 def index(batch: TrainBatch, idx: torch.Tensor) -> TrainBatch:
     return TrainBatch(**{f.name: getattr(batch, f.name)[idx] for f in fields(batch)})
+
+
+def mask_stale_tokens(batch: TrainBatch, oldest_version: int) -> int:
+    """Take model tokens produced before ``oldest_version`` out of the loss (replay.max_head_lag): the head of a
+    long trajectory that a much older policy wrote. The rest of the row still trains, and the loss
+    normalization counts only the tokens left. Returns how many tokens were masked."""
+    stale = (batch.versions >= 0) & (batch.versions < oldest_version) & (batch.loss_mask > 0)
+    batch.loss_mask[stale] = 0.0
+    return int(stale.sum().item())

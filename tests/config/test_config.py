@@ -197,8 +197,30 @@ def test_decoupled_dispatch_rules_resolved_per_mode():
     assert (one.delta, one.interval, one.min_staleness, one.dispatch.window, one.dispatch.per_step) == (1, 1, 1, 32, 0)
     asy = resolve_settings(m.parse_args([*base, "--training.mode=async", "--replay.delta=3", "--weight_sync.interval=2"]))
     assert (asy.steps_ahead, asy.dispatch.window, asy.dispatch.per_step) == (2, 48, 0)  # delta - k + 1 = 2
+    assert (asy.anchor, asy.max_head_lag) == ("finish", 6)  # from the finish; tokens within 2 x delta train
     ref = resolve_settings(m.parse_args([*base, "--training.mode=reflow"]))
-    assert (ref.dispatch.window, ref.dispatch.per_step) == (0, 16)  # B_max defaults to the batch
+    # async's window (delta 2, k 1: 3 batches), and B_max, which defaults to the batch
+    assert (ref.dispatch.window, ref.dispatch.per_step) == (48, 16)
+    assert (one.anchor, one.max_head_lag) == ("start", None)  # one_step_off: exactly one version from the start
+    ref = resolve_settings(m.parse_args([*base, "--training.mode=reflow", "--replay.staleness_from=start",
+                                         "--replay.max_head_lag=5"]))
+    assert (ref.anchor, ref.max_head_lag) == ("start", 5)
+
+
+@pytest.mark.parametrize("flag,words", [
+    ("--replay.staleness_from=middle", "must be 'finish' or 'start'"),
+    ("--replay.max_head_lag=1", "must be 0 (2 x delta) or >= replay.delta = 2"),
+    ("--replay.max_head_lag=-1", "must be 0 (2 x delta)"),
+])
+def test_replay_anchor_and_head_lag_errors_name_the_key(flag, words):
+    from reflow.config.validate import validate
+
+    m = ConfigManager()
+    cfg = m.parse_args(["--training.mode=reflow", "--placement.num_rollout_ranks=1", flag])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, m.where)
+    assert f"'{flag[2:].split('=')[0]}'" in str(err.value) and words in str(err.value)
+    assert "command line" in str(err.value)
 
 
 def test_keys_the_mode_does_not_read_are_reported_not_rewritten():

@@ -63,7 +63,7 @@ class ScriptedControl:
     def poll(self):
         self.polls += 1
         if self.polls == 3:
-            return [Progress(steps_done=1, retired=(2,)), SyncWeights(1)]
+            return [Progress(steps_done=1, retired=2), SyncWeights(1)]
         if len(self.outbox.groups) == 3:
             return [Stop()]
         return []
@@ -76,7 +76,7 @@ class ScriptedControl:
 outbox = CollectingOutbox()
 task, tokenizer = build_task(cfg.task), PromptTokenizer(hf)
 parts = SimpleNamespace(cfg=cfg, engine=engine, turns=TurnDriver(engine, task, tokenizer), task=task, tokenizer=tokenizer)
-budget = DispatchBudget(DispatchRule(window=4), 0, 1, 1, group_size=2)  # one_step_off's window of 2 batches
+budget = DispatchBudget(DispatchRule(window=4), 0, 1, group_size=2)  # one_step_off's window of 2 batches
 stream = PromptStream(load_problems(resolve_path(cfg.task.train_file)), 0)
 worker = RolloutWorker(parts, SameWeights(), ScriptedControl(outbox), outbox, budget, stream, initial_shares(1)[0], 0, [0], 1)
 worker.run()
