@@ -7,9 +7,9 @@ import json
 from tests.conftest import run_torchrun
 
 
-def _report(tmp_path, option: str) -> dict:
+def _report(tmp_path, option: str, seeds: int = 1) -> dict:
     out = tmp_path / "report.json"
-    run_torchrun(2, ["tests/trainer/scripts/block_options.py", str(out), option])
+    run_torchrun(2, ["tests/trainer/scripts/block_options.py", str(out), option, str(seeds)])
     return json.loads(out.read_text())
 
 
@@ -20,14 +20,21 @@ def test_activation_checkpointing_trains_bitwise_alike_through_a_resize(tmp_path
     assert rep["bitwise_equal"]
 
 
+# Compiled against eager first steps, relative differences of the loss and the gradient norm, measured on 8
+# data seeds (``block_options.py OUT compile 8``), the same in two runs: the loss up to 1.65e-5 (its terms
+# cancel: the loss is ~0.2 against a gradient norm ~22), the gradient norm up to 7.8e-5. The bounds are about
+# five times those, still float32 rounding of fused kernels (a wrong kernel is off by orders more).
+COMPILED_LOSS_RTOL = 1e-4
+COMPILED_GRAD_NORM_RTOL = 4e-4
+
+
 def test_compiled_blocks_train_alike_through_a_resize(tmp_path):
-    rep = _report(tmp_path, "compile")
+    rep = _report(tmp_path, "compile", seeds=4)
     assert rep["wrapped"] == {"False": 0, "True": 4}  # every block of the tiny model compiled, in place
     assert rep["same_keys"] and not rep["wrapper_in_keys"]
     # Inductor's fused kernels round differently: the first step's loss and gradient norm agree to float32
-    # rounding; after AdamW steps at lr 2e-3 (whose first update is about lr x sign(gradient), so a rounding of
-    # a near-zero gradient can move an element by up to 2 lr) the shards stay within half an update
-    (loss, grad_norm), (compiled_loss, compiled_grad_norm) = rep["first_step"]["False"], rep["first_step"]["True"]
-    assert abs(compiled_loss - loss) <= 1e-5 * max(abs(loss), 1e-3)
-    assert abs(compiled_grad_norm - grad_norm) <= 1e-5 * grad_norm
+    # rounding on every data seed; after AdamW steps at lr 2e-3 (whose first update is about lr x sign(gradient),
+    # so a rounding of a near-zero gradient can move an element by up to 2 lr) the shards stay within half an update
+    for loss_rdiff, grad_norm_rdiff in rep["first_step_relative_diffs"]:
+        assert loss_rdiff <= COMPILED_LOSS_RTOL and grad_norm_rdiff <= COMPILED_GRAD_NORM_RTOL, rep["first_step_relative_diffs"]
     assert rep["max_abs_diff"] < 1e-3

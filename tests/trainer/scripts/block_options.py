@@ -1,6 +1,8 @@
 """2 ranks: the same training with and without a per-block option (argv[2]: 'activation_checkpointing', or
 'compile'), through a resize (2 replicas -> 1): the shards after it (bitwise equal, and the largest
-difference), the same state-dict names. Writes a JSON report to argv[1]."""
+difference), the same state-dict names. argv[3] (optional, default 1): how many data seeds the first step
+is also compared on (the relative difference of its loss and gradient norm, per seed). Writes a JSON report
+to argv[1]."""
 
 import json
 import sys
@@ -23,24 +25,29 @@ layouts = build_trainer_layouts(world, 1, [2, 1])
 gen = torch.Generator().manual_seed(0)
 
 
-def virtual(k: int):
-    g = torch.Generator().manual_seed(k)
+def virtual(k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(k + 1000 * seed)
     rows = [(torch.randint(3, 30, (4,), generator=g).tolist(), torch.randint(3, 30, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()) for _ in range(4)]
     return pack([p for p, _ in rows], [o for _, o in rows], [[-1.0] * len(o) for _, o in rows], [[0] * len(o) for _, o in rows],
                 [1.0, -1.0, 0.5, -0.5], [1.0] * 4, [0.0] * 4, 0)
 
 
 OPTION = sys.argv[2]
+NUM_SEEDS = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 SETTINGS = {"activation_checkpointing": ("none", "full"), "compile": (False, True)}[OPTION]
 
 
-def run(value):
+def build(value) -> PolicyTrainer:
     cfg = JobConfig()
     cfg.training.lr = 2e-3
     cfg.training.num_minibatches = 2
     cfg.training.kl_coef = 0.05
     setattr(cfg.training, OPTION, value)
-    trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 2, device)
+    return PolicyTrainer(cfg, recipe, hf_dir, layouts, 2, device)
+
+
+def run(value):
+    trainer = build(value)
     stats = trainer.train_step([virtual(rank)])
     first_loss[str(value)] = (stats.loss, stats.grad_norm)
     keys = sorted(trainer.model.state_dict())
@@ -54,6 +61,15 @@ def run(value):
     return None, keys
 
 
+def first_steps(value) -> list[tuple[float, float]]:
+    """The first step's (loss, grad norm) from the same initial weights on each data seed."""
+    out = []
+    for seed in range(NUM_SEEDS):
+        stats = build(value).train_step([virtual(rank, seed)])
+        out.append((stats.loss, stats.grad_norm))
+    return out
+
+
 wrapped: dict[str, int] = {}
 first_loss: dict[str, tuple[float, float]] = {}  # the first step's (loss, grad norm)
 plain, plain_keys = run(SETTINGS[0])
@@ -62,6 +78,11 @@ report = {
     "same_keys": plain_keys == option_keys, "wrapper_in_keys": any("checkpoint" in k or "_orig_mod" in k for k in option_keys),
     "wrapped": wrapped, "first_step": first_loss,
 }
+if NUM_SEEDS > 1:
+    pairs = zip(first_steps(SETTINGS[0]), first_steps(SETTINGS[1]))
+    report["first_step_relative_diffs"] = [
+        (abs(b[0] - a[0]) / max(abs(a[0]), 1e-3), abs(b[1] - a[1]) / max(abs(a[1]), 1e-12)) for a, b in pairs
+    ]
 if rank == 0:
     report["bitwise_equal"] = all(torch.equal(a, b) for a, b in zip(plain, optioned)) and len(plain) == len(optioned)
     report["max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(plain, optioned))
