@@ -127,7 +127,8 @@ class Rollout:
     """B_max ('reflow' mode): most samples that may start generating between two trainer steps, over all
     rollout ranks (a multiple of group_size, >= the batch); credit a step leaves unused expires. 0 = the batch,
     prompts_per_step * group_size, as in the paper. On top of it, as in 'async', the samples started but not
-    yet trained stay within (delta - weight_sync.interval + 2) batches (modes/decoupled.py)."""
+    yet trained stay within a window: (delta - weight_sync.interval + 1) batches plus ceil(b (1 - sigma))
+    samples, the fewest fresh samples a step retires (modes/decoupled.py)."""
 
 
 @dataclass

@@ -15,16 +15,17 @@ k = the weight-sync interval, A = trainer shards:
                   verl fully_async, AReaL's max_head_offpolicyness and Tinker's sampling_steps_ahead bound the
                   work ahead of the trainer the same way), staleness counted from the version at which a
                   sample's group finished (replay.staleness_from, as verl's fully-async stamps it).
-    reflow        async's window and anchor, plus the paper's B_max (rollout.b_max, default b): at most B_max
-                  samples start between two trainer steps, and credit a step leaves unused expires. Bounded
-                  replay lets a shard step on b(1 - sigma) fresh samples topped up to exactly b with replayed
-                  ones (loss weight tau).
+    reflow        async's anchor, a window of steps_ahead x b + ceil(b(1 - sigma)) (in whole groups: a step
+                  may retire only that many fresh samples, see below), and the paper's B_max (rollout.b_max,
+                  default b): at most B_max samples start between two trainer steps, and credit a step leaves
+                  unused expires. Bounded replay lets a shard step on b(1 - sigma) fresh samples topped up to
+                  exactly b with replayed ones (loss weight tau).
 
 The replay cycle: the rule, and why nothing is generated in vain
 ----------------------------------------------------------------
 A sample is *started* when admitted to an engine and *retired* when trained for the first time or evicted
-unused. (R1) Admission: started - retired <= W = (delta - k + 2) x b over all shards (the window, in whole
-groups; ``reflow.scheduler.dispatch``: every rollout worker owns a fixed share, or with
+unused. (R1) Admission: started - retired <= W over all shards, W = (delta - k + 1) x b + F, F the fewest
+fresh samples a step retires (b in async, ceil(b(1 - sigma)) in reflow, whole groups; the window, ``reflow.scheduler.dispatch``: every rollout worker owns a fixed share, or with
 scheduler.kv_admission trainer rank 0's ``GroupDispatcher`` deals the room by KV load), and in reflow
 at most B_max starts per step period. (R2) Anchor: a group is stamped with the engine version at which it
 finished; its staleness is the trained version minus that (``replay.staleness_from = "start"`` keeps the old
@@ -38,16 +39,20 @@ counts in the latest Progress), not when admitted; while the trainer waits, shar
 surplus of others beyond their own need (``plan_moves``, computed alike on every trainer rank from the
 readiness all-reduce; the donor sends its latest-deadline samples).
 
-Why nothing is wasted. A group finishes at engine version f and arrives while the trainer is at v, with
-f <= v <= f + k - 1 (engines sync every k steps). Every sample ahead of it in its shard's deadline order
-finished no later, so it was started before this one arrived: all of them are among the <= W samples
-outstanding then, spread over the shards by R4, so <= W/A - 1 are ahead of it in its shard. Each step takes
-b/A from the front of the shard (or every unused sample, this one too), so it is trained within
-W/b = delta - k + 2 steps, by version v + delta - k + 1 <= f + delta: within its bound. Nothing it started
-goes stale, so the evictions the ledger counts (``EVICTION_CAUSES``) come only from what the argument leaves
-out: routing that is a moment stale, samples restored or handed over outside every window, and a resumed
-run's first versions. (Counted from the start, a long answer overtaken by later ones exceeds delta and is
-evicted: the old anchor's length bias.)
+Why nothing is wasted. Take the step at version v and a sample x not yet trained after it, one of at most
+W - F_v <= (delta - k + 1) b outstanding once that step's F_v >= F fresh samples retired. x finishes at an
+engine version f >= v - (k - 1) (engines sync every k steps; x was still unfinished during step v, or it
+would have been eligible for it and is among those outstanding anyway). The samples that can be ahead of x in
+deadline order finished no later; those started after step v finish no earlier than x if x had finished, so
+the ones ahead are among the <= (delta - k + 1) b outstanding, spread over the shards by R4 (the moves send a
+shard's samples due now that its own batch cannot take to shards with room). Every later step takes b/A
+from the front of each shard, or every unused sample there: x is trained within delta - k + 1 steps after v,
+by version v + delta - k + 1 <= f + delta, within its bound. (With W = (delta - k + 2) b a reflow step that
+retired only b(1 - sigma) fresh samples leaves up to (delta - k + 1.5) b outstanding: one step too many.) So
+the evictions the ledger counts (``EVICTION_CAUSES``) come only from what the argument leaves out: routing
+that is a moment stale, samples restored or handed over outside every window, and a resumed run's first
+versions. (Counted from the start, a long answer overtaken by later ones exceeds delta and is evicted: the old
+anchor's length bias.)
 
 Control-plane protocol (who waits for whom, and why it cannot deadlock)
 -----------------------------------------------------------------------

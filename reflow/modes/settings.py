@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from reflow.config.job_config import JobConfig
+from reflow.replay.buffer import min_fresh
 from reflow.scheduler.dispatch import DispatchRule
 
 
@@ -49,6 +50,11 @@ def resolve_settings(cfg: JobConfig) -> ModeSettings:
     )
     if training.mode == "async":
         return ModeSettings(sigma=0.0, tau=1.0, dispatch=DispatchRule(window=window), **common)
+    # a reflow step may retire as few as ceil(b (1 - sigma)) fresh samples (the rest of its batch replayed), not b:
+    # the window that wastes nothing is then steps_ahead batches plus that floor, in whole groups (the essay in
+    # reflow.modes.decoupled says why); with sigma 0 it is async's
+    floor_groups = min_fresh(batch, replay.sigma) // training.group_size
+    window = steps_ahead * batch + floor_groups * training.group_size
     return ModeSettings(
         sigma=replay.sigma, tau=replay.tau, dispatch=DispatchRule(window=window, per_step=cfg.rollout.b_max or batch),
         **common,
