@@ -166,14 +166,17 @@ class ReplayBuffer:
     def staleness(self, sample: BufferedSample, version: int) -> int:
         return sample.staleness(version, self.anchor)
 
+    def _eligible_in_arrival_order(self, version: int) -> list[BufferedSample]:
+        floor = min(self.min_staleness, version - self.start_version)
+        return [s for s in self.unused if self.staleness(s, version) >= floor] if floor > 0 else self.unused
+
     def _eligible(self, version: int) -> list[BufferedSample]:
         """Unused samples it may train at ``version``, earliest deadline first (anchor version, then arrival)."""
-        floor = min(self.min_staleness, version - self.start_version)
-        eligible = [s for s in self.unused if self.staleness(s, version) >= floor] if floor > 0 else self.unused
+        eligible = self._eligible_in_arrival_order(version)
         return sorted(eligible, key=lambda s: s.anchor_version(self.anchor))  # stable: ties keep arrival order
 
     def num_eligible(self, version: int) -> int:
-        return len(self._eligible(version))
+        return len(self._eligible_in_arrival_order(version))  # (counts need no order: the trainer asks every 2 ms)
 
     def need(self, batch_size: int) -> int:
         """Eligible unused samples a batch of exactly ``batch_size`` needs: at least ceil(b(1 - sigma)), and
@@ -200,7 +203,7 @@ class ReplayBuffer:
 
     def num_urgent(self, version: int) -> int:
         """Eligible unused samples at their last version: staleness delta, evicted after this step unless trained."""
-        return sum(1 for s in self._eligible(version) if self.staleness(s, version) >= self.delta)
+        return sum(1 for s in self._eligible_in_arrival_order(version) if self.staleness(s, version) >= self.delta)
 
     def take_eligible(self, first: int, count: int, version: int) -> list[BufferedSample]:
         """Remove and return ``count`` eligible unused samples from position ``first`` of the earliest-deadline

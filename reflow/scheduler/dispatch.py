@@ -113,10 +113,6 @@ class DispatchBudget:
         self.credit = StepCredit(start_step)
         self.granted: int | None = 0 if dealt else None
 
-    @property
-    def steps_done(self) -> int:
-        return self.credit.steps_done
-
     def update(self, steps_done: int, retired: int) -> None:
         self.credit.advance(steps_done, self.started)
         self.retired = max(self.retired, retired)

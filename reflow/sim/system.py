@@ -187,7 +187,6 @@ class DecoupledSim:
         self.records: list[StepRecord] = []
         self.transitions: list[dict] = []
         self.evicted_unused = 0
-        self.generated = 0  # samples delivered to the shards
         self.received = 0  # samples delivered to the shards during the current step
         self.moved = 0  # samples moved between shards (``plan_moves``)
         self.planner = (
@@ -312,7 +311,6 @@ class DecoupledSim:
             rollout.router.update([buffer.num_unused for buffer in self.shards])
             buffer = self.shards[rollout.router.choose(len(samples))]
             self.received += len(samples)
-            self.generated += len(samples)
             for sample in samples:
                 if buffer.is_stale(sample, self.version):
                     self._retire_evicted(sample)
