@@ -83,7 +83,7 @@ def run(engine, cfg, requests, group_size: int, label: str) -> dict:
         "kv_usage_mean": usage_sum / max(steps, 1),
         "mean_in_flight": in_flight_sum / max(steps, 1),
         "engine_steps": steps,
-        "gate_refusals": window["gate_refusals"],
+        "gate_refusals": window.gate_refusals,
         "cap_trajectory": caps,
     }
 

@@ -128,7 +128,7 @@ class Rollout:
     rollout ranks (a multiple of group_size, >= the batch); credit a step leaves unused expires. 0 = the batch,
     prompts_per_step * group_size, as in the paper. On top of it, as in 'async', the samples started but not
     yet trained stay within a window: (delta - weight_sync.interval + 1) batches plus ceil(b (1 - sigma))
-    samples, the fewest fresh samples a step retires (modes/decoupled.py)."""
+    samples, the fewest fresh samples a step retires (docs/decoupled_protocol.md)."""
 
 
 @dataclass
@@ -269,11 +269,19 @@ class Scheduler:
     cooldown_steps: int = 4
     """Placement planner: trainer steps between two placement changes, at least."""
     margin: float = 0.1
-    """Placement planner: a candidate's mismatch score must beat the current one's by this much (log units)."""
+    """Placement planner: a candidate's predicted throughput must beat the current one's by this fraction."""
     horizon_steps: int = 20
     """Placement planner: the steps over which a change's predicted saving is counted against its cost."""
     transition_cost_s: float = 2.0
     """Placement planner: the cost of a placement change until one has been measured."""
+    planner_ema: float = 0.5
+    """Placement planner: weight of the newest window in its smoothed rates and response length."""
+    planner_warmup_steps: int = 2
+    """Placement planner: steps of the run's start left out of its measurements."""
+    idle_threshold: float = 0.3
+    """Placement planner: an idle ratio above this, on one side for idle_windows windows in a row, re-decides
+    regardless of the margin and the transition cost."""
+    idle_windows: int = 2
 
 
 @dataclass

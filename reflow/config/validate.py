@@ -131,6 +131,14 @@ def _validate_scheduler(cfg: JobConfig, fail) -> None:
         fail("scheduler.margin", f"must be >= 0, got {sched.margin}")
     if sched.transition_cost_s < 0:
         fail("scheduler.transition_cost_s", f"must be >= 0, got {sched.transition_cost_s}")
+    if not 0 < sched.planner_ema <= 1:
+        fail("scheduler.planner_ema", f"must be in (0, 1], got {sched.planner_ema}")
+    if sched.planner_warmup_steps < 0:
+        fail("scheduler.planner_warmup_steps", f"must be >= 0, got {sched.planner_warmup_steps}")
+    if not 0 < sched.idle_threshold < 1:
+        fail("scheduler.idle_threshold", f"must be in (0, 1), got {sched.idle_threshold}")
+    if sched.idle_windows < 1:
+        fail("scheduler.idle_windows", f"must be >= 1, got {sched.idle_windows}")
     for key, on in (("scheduler.adaptive_concurrency", sched.adaptive_concurrency), ("scheduler.kv_admission", sched.kv_admission)):
         if on and mode not in ("async", "reflow"):
             fail(
@@ -256,7 +264,7 @@ def _validate_decoupled(cfg: JobConfig, placement, where) -> None:
     if b_max and mode != "reflow":
         raise ConfigError(
             f"{where('rollout.b_max')}: 'rollout.b_max' applies to 'reflow' mode only; '{mode}' bounds the samples "
-            "started but not yet trained instead (see reflow/modes/decoupled.py)"
+            "started but not yet trained instead (see docs/decoupled_protocol.md)"
         )
     if b_max and (b_max < batch or b_max % group_size):
         raise ConfigError(

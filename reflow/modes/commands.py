@@ -1,7 +1,7 @@
 """The typed commands trainer rank 0 sends to the rollout ranks on the control plane.
 
 SyncWeights at sync points; Progress after every step (after that step's SyncWeights) and whenever the
-retired counts change while the trainer waits; Stop once. See ``reflow.modes.decoupled`` for the protocol."""
+retired counts change while the trainer waits; Stop once. See docs/decoupled_protocol.md for the protocol."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Progress:
 @dataclass(frozen=True)
 class Transition:
     """The placement changes to ``replicas`` trainer replicas after this step: finish what is in flight, send
-    it, and join the transition (``reflow.modes.decoupled``)."""
+    it, and join the transition (``reflow.modes.transition``)."""
 
     replicas: int
 

@@ -27,9 +27,9 @@ group the gate holds back starts later, under weights at least as new: it can on
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from reflow.dataplane import ControlChannel, Outbox
@@ -40,6 +40,7 @@ from reflow.rollout.engine import Request, RolloutEngine
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget
 from reflow.scheduler.routing import ShardRouter
+from reflow.types import EvalShare, GroupDone, WorkerStats
 from reflow.modes.prompts import PromptShare, PromptStream
 from reflow.tasks.base import Task
 
@@ -74,18 +75,6 @@ class GroupAssembler:
     def waiting_ids(self) -> list[str]:
         """Finished requests whose group is not complete yet."""
         return [req.request_id for members in self.partial.values() for req in members]
-
-
-@dataclass
-class BusyIdle:
-    """Engine time and idle time since the last report to trainer rank 0."""
-
-    busy_s: float = 0.0
-    idle_s: float = 0.0
-    tool_wait_s: float = 0.0
-    """Time with an empty engine and trajectories waiting on their environment: reported apart from engine
-    time, and not idle (the idle ratio counts it as working time)."""
-    last_report: float = field(default_factory=time.time)
 
 
 class RolloutWorker:
@@ -123,7 +112,8 @@ class RolloutWorker:
         self.groups = GroupAssembler(
             self.task, self.tokenizer, self.group_size, cfg.training.normalize_adv_std, cfg.training.advantage_eps, rollout_index
         )
-        self.busy_idle = BusyIdle()
+        self.stats = WorkerStats()  # this window's times (the gate keeps its own counts)
+        self.last_report = time.time()
         self.gate = AdmissionGate(cfg, self.engine, self.group_size, self.turns)
         self._next_group: tuple | None = None  # ((draw, version), its requests) while it waits on the gate
         self.commands: deque = deque()
@@ -151,10 +141,7 @@ class RolloutWorker:
                 if isinstance(command, SyncWeights):
                     self._sync(command.version)
                 elif isinstance(command, Progress):
-                    self.budget.update(command.steps_done, command.retired)
-                    if command.granted is not None:
-                        self.budget.grant(command.granted)
-                    self.router.update(command.shard_unused)
+                    apply_progress(command, self.budget, self.router)
                     self._admit()  # on the weights of now, before a SyncWeights queued behind it applies
                 else:
                     raise TypeError(f"unknown control command {command!r}")
@@ -168,10 +155,10 @@ class RolloutWorker:
             else:
                 t0 = time.perf_counter()
                 command = self.control.wait(timeout=0.05)
-                self.busy_idle.idle_s += time.perf_counter() - t0
+                self.stats.idle_s += time.perf_counter() - t0
                 if command is not None:
                     self.commands.append(command)
-            if time.time() - self.busy_idle.last_report > 1.0:
+            if time.time() - self.last_report > 1.0:
                 self._report()
 
     def _tell_followers(self, *call) -> None:
@@ -182,8 +169,8 @@ class RolloutWorker:
     def _count_busy(self, elapsed: float) -> None:
         """Time spent stepping: engine time, less what the turn driver spent waiting on tools in it."""
         waited = self.turns.take_tool_wait()
-        self.busy_idle.busy_s += elapsed - waited
-        self.busy_idle.tool_wait_s += waited
+        self.stats.busy_s += elapsed - waited
+        self.stats.tool_wait_s += waited
 
     def _finish_in_flight(self) -> None:
         """A placement change: generate every admitted request to its end and send its group (never dropped)."""
@@ -206,7 +193,10 @@ class RolloutWorker:
         self._tell_followers("sync", version)
         self.weight_sync.sync(None, self.engine, version)
         self._evaluate(version)
-        self.turns.resume(held)  # partial rollouts continue from their prefix, turns and all; each token keeps its version
+        # partial rollouts continue from their prefix, turns and all; each token keeps its version. The reload
+        # reset the prefix cache, so the engine prefills every held prompt and prefix again
+        self.stats.prefilled_tokens += sum(len(req.prompt_ids) + len(req.output_ids) for req in held)
+        self.turns.resume(held)
         self._report()
 
     def _evaluate(self, version: int) -> None:
@@ -219,8 +209,8 @@ class RolloutWorker:
             return
         t0 = time.perf_counter()
         total, count = evaluate_share(self.parts, self.eval_turns, metrics.eval_num_prompts, self.rollout_index, self.num_rollout)
-        self.busy_idle.busy_s += time.perf_counter() - t0
-        self.outbox.put(self.control.leader, {"type": "eval", "version": version, "reward_sum": total, "count": count})
+        self.stats.busy_s += time.perf_counter() - t0
+        self.outbox.put(self.control.leader, EvalShare(version, total, count))
 
     def _step(self) -> None:
         sequences = self.engine.num_active
@@ -254,6 +244,7 @@ class RolloutWorker:
             for req in requests:
                 req.meta.update(admitted_at=now)
                 self.turns.add(req)
+                self.stats.prefilled_tokens += len(req.prompt_ids)
                 self.ledger["started"].append(req.request_id)
             self.budget.record_start()
 
@@ -262,7 +253,7 @@ class RolloutWorker:
         if samples is None:
             return
         destination = self.trainer_ranks[self.router.choose(len(samples))]  # bound to a shard on arrival
-        self.outbox.put(destination, {"type": "group", "samples": samples})
+        self.outbox.put(destination, GroupDone(samples))
         now = time.time()
         self.ledger["sent"].extend(
             {"uid": s.uid, "to": destination, "admitted_at": req.meta["admitted_at"], "finished_at": now,
@@ -271,12 +262,16 @@ class RolloutWorker:
         )
 
     def _report(self) -> None:
-        self.outbox.put(
-            self.control.leader,
-            {
-                "type": "stats", "busy_s": self.busy_idle.busy_s, "idle_s": self.busy_idle.idle_s,
-                "tool_wait_s": self.busy_idle.tool_wait_s, **self.gate.report(),
-                "load": self.gate.load(started=self.budget.started),
-            },
-        )
-        self.busy_idle = BusyIdle()
+        window = self.stats + self.gate.report()
+        self.outbox.put(self.control.leader, dataclasses.replace(window, load=self.gate.load(started=self.budget.started)))
+        self.stats = WorkerStats()
+        self.last_report = time.time()
+
+
+def apply_progress(progress: Progress, budget: DispatchBudget, router: ShardRouter) -> None:
+    """A Progress word: the trainer's counts (and the grants, with the global dispatcher) to the dispatch
+    budget, the shards' unused counts to the router. Cumulative counts: a late or repeated word is harmless."""
+    budget.update(progress.steps_done, progress.retired)
+    if progress.granted is not None:
+        budget.grant(progress.granted)
+    router.update(progress.shard_unused)

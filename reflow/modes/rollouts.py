@@ -7,7 +7,7 @@ import hashlib
 import torch
 
 from reflow.algorithms.grpo import group_advantages
-from reflow.replay.buffer import BufferedSample as Sample
+from reflow.types import Sample
 from reflow.rollout.engine import Request
 from reflow.tasks.base import Problem, Task
 from reflow.trainer.batch import TrainBatch, pack

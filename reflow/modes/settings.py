@@ -1,6 +1,6 @@
 """What each decoupled mode implies for replay, staleness, weight sync and dispatch (``resolve_settings``),
 in one place and free of torch.distributed, so the live modes, config validation and the simulator share it.
-The reasoning behind each mode's rule is in ``reflow.modes.decoupled``'s essay."""
+The reasoning behind each mode's rule is in docs/decoupled_protocol.md."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def resolve_settings(cfg: JobConfig) -> ModeSettings:
         return ModeSettings(sigma=0.0, tau=1.0, dispatch=DispatchRule(window=window), **common)
     # a reflow step may retire as few as ceil(b (1 - sigma)) fresh samples (the rest of its batch replayed), not b:
     # the window that wastes nothing is then steps_ahead batches plus that floor, in whole groups (the essay in
-    # reflow.modes.decoupled says why); with sigma 0 it is async's
+    # docs/decoupled_protocol.md says why); with sigma 0 it is async's
     floor_groups = min_fresh(batch, replay.sigma) // training.group_size
     window = steps_ahead * batch + floor_groups * training.group_size
     return ModeSettings(

@@ -1,6 +1,6 @@
 """The replay buffer: one shard per trainer rank, a sampler and a replay filter (typed extension points)."""
 
-from reflow.replay.buffer import BatchPlan, BufferedSample, ReplayBuffer
+from reflow.replay.buffer import BatchPlan, ReplayBuffer
 from reflow.replay.policies import (
     FILTERS,
     SAMPLERS,
@@ -18,7 +18,6 @@ from reflow.replay.policies import (
 __all__ = [
     "AcceptAll",
     "BatchPlan",
-    "BufferedSample",
     "FILTERS",
     "MediumRewardSampler",
     "NonzeroAdvantage",

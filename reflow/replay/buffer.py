@@ -29,76 +29,19 @@ from __future__ import annotations
 
 import math
 import random
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from reflow.replay.policies import ReplayFilter, Sampler
+from reflow.types import Sample
 
-
-@dataclass
-class BufferedSample:
-    """One finished trajectory: what the trainer needs, plus the replay bookkeeping."""
-
-    uid: str
-    draw: int
-    """Position of its prompt in the run's prompt stream."""
-    group_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    """One per model token (``model_spans``)."""
-    versions: list[int]
-    reward: float
-    finish_reason: str | None = None
-    model_spans: list[list[int]] | None = None
-    """[start, end) ranges of ``output_ids`` the model generated; None: all of them (a single-turn sample).
-    The rest came from the environment (a multi-turn task's tool answers) and is never trained on."""
-    tool_calls: int = 0
-    tool_s: float = 0.0
-    """Seconds the trajectory waited on its environment."""
-    origin: int = -1
-    """Index of the rollout worker whose dispatch budget it counts against (-1: none, as after a resume or a
-    placement change, whose budgets start afresh)."""
-    finish_version: int = -1
-    """Engine version at which its group finished (-1: not recorded, as in checkpoints of older runs; the
-    newest token's version stands in)."""
-    advantage: float = 0.0
-    group_reward_mean: float = 0.0
-    use_count: int = 0
-    inserted_at: float = field(default_factory=time.time)
-
-    @property
-    def birth_version(self) -> int:
-        """Version of the policy that produced the oldest token (min over tokens)."""
-        return min(self.versions) if self.versions else -1
-
-    @property
-    def completed_version(self) -> int:
-        """Version at which its group finished."""
-        if self.finish_version >= 0:
-            return self.finish_version
-        return max(self.versions) if self.versions else -1
-
-    def anchor_version(self, anchor: str) -> int:
-        """The version its staleness counts from: ``finish`` (its group's completion) or ``start`` (its birth)."""
-        if anchor == "finish":
-            return self.completed_version
-        if anchor == "start":
-            return self.birth_version
-        raise ValueError(f"staleness anchor must be 'finish' or 'start', got {anchor!r}")
-
-    def staleness(self, current_version: int, anchor: str = "start") -> int:
-        return current_version - self.anchor_version(anchor)
-
-    def head_lag(self, current_version: int) -> int:
-        """How many versions its oldest token is behind ``current_version``."""
-        return current_version - self.birth_version
+BufferedSample = Sample
+"""The name checkpoints written before ``reflow.types`` pickled their samples under (they still load)."""
 
 
 @dataclass
 class BatchPlan:
-    fresh: list[BufferedSample]
-    replayed: list[BufferedSample]
+    fresh: list[Sample]
+    replayed: list[Sample]
 
     @property
     def size(self) -> int:
@@ -143,13 +86,13 @@ class ReplayBuffer:
         self.sampler = sampler
         self.filter = replay_filter
         self.rng = random.Random(seed)
-        self.unused: list[BufferedSample] = []
-        self.replayable: list[BufferedSample] = []
+        self.unused: list[Sample] = []
+        self.replayable: list[Sample] = []
         self.num_evicted = 0
 
     # ---- in ----------------------------------------------------------------------
 
-    def add(self, samples: list[BufferedSample]) -> None:
+    def add(self, samples: list[Sample]) -> None:
         """New samples enter unused; samples handed over from another shard keep their state."""
         for s in samples:
             (self.unused if s.use_count == 0 else self.replayable).append(s)
@@ -163,14 +106,14 @@ class ReplayBuffer:
     def num_unused(self) -> int:
         return len(self.unused)
 
-    def staleness(self, sample: BufferedSample, version: int) -> int:
+    def staleness(self, sample: Sample, version: int) -> int:
         return sample.staleness(version, self.anchor)
 
-    def _eligible_in_arrival_order(self, version: int) -> list[BufferedSample]:
+    def _eligible_in_arrival_order(self, version: int) -> list[Sample]:
         floor = min(self.min_staleness, version - self.start_version)
         return [s for s in self.unused if self.staleness(s, version) >= floor] if floor > 0 else self.unused
 
-    def _eligible(self, version: int) -> list[BufferedSample]:
+    def _eligible(self, version: int) -> list[Sample]:
         """Unused samples it may train at ``version``, earliest deadline first (anchor version, then arrival)."""
         eligible = self._eligible_in_arrival_order(version)
         return sorted(eligible, key=lambda s: s.anchor_version(self.anchor))  # stable: ties keep arrival order
@@ -205,7 +148,7 @@ class ReplayBuffer:
         """Eligible unused samples at their last version: staleness delta, evicted after this step unless trained."""
         return sum(1 for s in self._eligible_in_arrival_order(version) if self.staleness(s, version) >= self.delta)
 
-    def take_eligible(self, first: int, count: int, version: int) -> list[BufferedSample]:
+    def take_eligible(self, first: int, count: int, version: int) -> list[Sample]:
         """Remove and return ``count`` eligible unused samples from position ``first`` of the earliest-deadline
         order (-1: the last ``count``, the latest deadlines); for moves between shards
         (``reflow.scheduler.routing.plan_moves``)."""
@@ -228,10 +171,10 @@ class ReplayBuffer:
                 kept += 1
         return kept
 
-    def is_stale(self, sample: BufferedSample, current_version: int) -> bool:
+    def is_stale(self, sample: Sample, current_version: int) -> bool:
         return self.staleness(sample, current_version) > self.delta
 
-    def evict_stale(self, current_version: int) -> list[BufferedSample]:
+    def evict_stale(self, current_version: int) -> list[Sample]:
         """Drop samples more than delta versions past their anchor; returns them (``use_count == 0``: never trained)."""
         gone = [s for s in self.unused + self.replayable if self.is_stale(s, current_version)]
         if gone:
@@ -240,7 +183,7 @@ class ReplayBuffer:
             self.num_evicted += len(gone)
         return gone
 
-    def drain(self) -> list[BufferedSample]:
+    def drain(self) -> list[Sample]:
         """Remove and return every sample (a leaving trainer rank hands its shard over)."""
         out = self.unused + self.replayable
         self.unused, self.replayable = [], []

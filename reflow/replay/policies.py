@@ -9,19 +9,19 @@ import random
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from reflow.replay.buffer import BufferedSample
+    from reflow.types import Sample
 
 
 @runtime_checkable
 class Sampler(Protocol):
-    def select(self, candidates: list["BufferedSample"], k: int, rng: random.Random) -> list["BufferedSample"]:
+    def select(self, candidates: list["Sample"], k: int, rng: random.Random) -> list["Sample"]:
         """Choose at most k of the candidates (already-used samples still in the pool)."""
         ...
 
 
 @runtime_checkable
 class ReplayFilter(Protocol):
-    def keep(self, sample: "BufferedSample") -> bool:
+    def keep(self, sample: "Sample") -> bool:
         """After a sample is consumed: may it be replayed later?"""
         ...
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from reflow.rollout.engine import RolloutEngine
 from reflow.scheduler.dispatch import WorkerReport
+from reflow.types import WorkerStats
 from reflow.scheduler.concurrency import (
     AdmissionRule,
     CapDecision,
@@ -117,19 +118,19 @@ class AdmissionGate:
             if decision is not None and decision.reason != "hold":
                 self.decisions.append(decision)
 
-    def report(self) -> dict:
-        """The window's statistics (then a new window starts)."""
+    def report(self) -> WorkerStats:
+        """The window's statistics, the worker's times left at zero (then a new window starts)."""
         steps = self.window["engine_steps"]
-        out = {
-            "cap": self.cap,
-            "kv_usage_mean": self.window["kv_usage_sum"] / steps if steps else 0.0,
-            "engine_steps": steps,
-            "step_sequences": self.window["step_sequences"],
-            "preemptions": self.engine.signals.preemptions - self._window_preemptions_from,
-            "admitted_groups": self.window["admitted_groups"],
-            "gate_refusals": self.window["gate_refusals"],
-            "cap_changes": [(d.reason, d.previous, d.cap) for d in self.decisions],
-        }
+        out = WorkerStats(
+            engine_steps=steps,
+            step_sequences=self.window["step_sequences"],
+            preemptions=self.engine.signals.preemptions - self._window_preemptions_from,
+            admitted_groups=self.window["admitted_groups"],
+            gate_refusals=self.window["gate_refusals"],
+            kv_usage_sum=self.window["kv_usage_sum"],
+            cap=self.cap,
+            cap_changes=tuple((d.reason, d.previous, d.cap) for d in self.decisions),
+        )
         self.decisions = []
         self._reset_window()
         return out

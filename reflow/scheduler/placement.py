@@ -2,7 +2,7 @@
 
 At every weight-sync point trainer rank 0 asks the run's controller whether to change the placement; the
 answer is broadcast to the trainer ranks and, when it is a change, the run performs it at once
-(``reflow.modes.decoupled``). A controller is plain Python: measurements in, a decision out. Two exist:
+(docs/decoupled_protocol.md). A controller is plain Python: measurements in, a decision out. Two exist:
 ``ForcedSchedule`` (placement.schedule) and ``reflow.scheduler.planner.PlacementPlanner``
 (scheduler.adaptive_placement).
 """

@@ -1,31 +1,40 @@
-"""The placement planner (the paper's Algorithm 1): how many trainer replicas, and so how many rollout ranks,
-the run should have, from what the last window measured. Plain Python: measurements in, a decision out.
+"""The placement planner (the paper's Algorithm 1, made to follow a drifting workload): how many trainer
+replicas, and so how many rollout ranks, the run should have. Plain Python: measurements in, a decision out.
 
-1. Rates, corrected for waiting. Over the window (the steps since the last decision) the rollout ranks
-   produced ``produced`` samples in ``rollout_busy_s`` rank-seconds of engine time, and the trainer trained
-   ``trained`` samples in ``seconds - trainer_wait_s`` seconds of not waiting for data. So
-
-       p = produced / rollout_busy_s                     samples per rollout rank-second, unblocked
-       c = trained / (seconds - trainer_wait_s) / n      samples per trainer replica-second, not starving
-
-   A rollout rank idle because the dispatch budget (B_max, the staleness window) has no room, or a trainer
-   waiting for samples, lowers the raw rates but not these: waiting is not mistaken for slowness.
-2. Extrapolation. Placement (n replicas of S ranks, R = world - n S rollout ranks) would produce P = p R
-   and consume C = c n samples per second.
-3. Score. Each batch needs a fresh share of at least 1 - sigma (the rest may be replayed), so the target
-   fresh-data coverage is P / C = 1 - sigma; a placement's score is its mismatch |ln(P / C / (1 - sigma))|:
-   0 when generation exactly feeds the trainer's fresh demand, growing as either side would wait.
-4. Decision. Move to the best-scoring placement only if (a) its score beats the current one's by
-   ``margin``, (b) ``cooldown_steps`` steps have passed since the last change, and (c) the time it is
-   predicted to save over the next ``horizon_steps`` steps exceeds the cost of a transition (the last
-   measured one, else ``transition_cost_s``). Throughput X = min(C, P / (1 - sigma)) samples per second;
-   a step of b samples takes b / X.
+1. Measure, per window (the steps since the last decision), leaving out warm-up steps and steps with no
+   rollout report (a step shorter than the report period):
+       p  useful production: response tokens of the samples that arrived and were not evicted (they are
+          trained), per rollout rank-second of engine time
+       c  consumption: tokens trained (prompt and response, fresh and replayed) per trainer replica-second
+          of not waiting for data
+       L  the mean response length that arrived, and its trend per step
+   A rollout rank idle because the dispatch rule has no room, or a trainer waiting for samples, lowers the
+   raw rates but not these: waiting is not mistaken for slowness.
+2. Smooth. Each is an EMA over windows (``ema``: the newest window's weight), so one noisy window moves
+   nothing, while a trend shows within a few windows.
+3. Predict at the horizon. The length the next ``horizon_steps`` steps will see on average is
+   L_h = L + trend x horizon / 2, kept within [L / 2, 2 L] (a step change in the length is a trend for a
+   window or two, not a forecast). A placement of n replicas of S ranks and R = world - n S rollout
+   ranks produces P = p R / L_h samples per second and consumes C = c n / (prompt + L_h); a batch needs a
+   fresh share of at least 1 - sigma, so its useful throughput is X = min(C, P / (1 - sigma)) samples per
+   second, a step of b samples takes b / X.
+4. Choose the highest X; within ``TIE`` of it, the candidate whose fresh coverage P / C lies in the band
+   [1 - sigma, 1] (the paper's "between b(1 - sigma) and b": no replay beyond sigma, no fresh samples
+   beyond what a step takes), then the one closest to the current placement.
+5. Decide. Move only if (a) the choice's X beats the current one's by ``margin`` (relative), (b)
+   ``cooldown_steps`` steps have passed since the last change, and (c) the time it saves over the horizon
+   exceeds the cost of a transition (the last measured one, else ``transition_cost_s``). Except: when one
+   side has idled above ``idle_threshold`` (the trainer waiting for samples, or the rollout ranks having no
+   room) for ``idle_windows`` windows in a row, (a) and (c) are waived and the choice is taken if it moves
+   ranks toward the idle side's opposite; the cooldown still holds.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+TIE = 0.02
+"""Candidates whose predicted throughput is within this fraction of the best are tied (step 4)."""
 
 
 @dataclass(frozen=True)
@@ -39,44 +48,89 @@ class PlannerSettings:
     """Samples per trainer step (b)."""
     cooldown_steps: int = 4
     margin: float = 0.1
+    """Relative gain in predicted throughput a change needs."""
     horizon_steps: int = 20
     transition_cost_s: float = 2.0
+    ema: float = 0.5
+    """Weight of the newest window in the smoothed rates and length."""
+    warmup_steps: int = 2
+    """Steps of the run's start left out of every measurement (compilation, first batches)."""
+    idle_threshold: float = 0.3
+    idle_windows: int = 2
 
 
 @dataclass(frozen=True)
 class WindowMeasurement:
-    """What the steps since the last decision measured (sums over the window)."""
+    """What the steps since the last decision measured (sums over the kept steps)."""
 
     steps: int
     seconds: float
-    produced: int
-    """Samples the rollout ranks delivered to trainer shards."""
-    trained: int
-    """Samples trained (fresh and replayed)."""
+    useful_tokens: float
+    """Response tokens of the samples that arrived and were not evicted."""
+    arrived: int
+    """Samples that arrived at the trainer shards (evicted ones included)."""
+    trained_samples: int
+    trained_tokens: float
+    """Tokens trained: prompt and response, fresh and replayed."""
     trainer_wait_s: float
-    """Seconds the trainer waited for samples."""
     rollout_busy_s: float
-    """Engine seconds, summed over the rollout ranks."""
     rollout_idle_s: float
-    """Seconds with nothing to generate, summed over the rollout ranks."""
+    length_mean: float
+    """Mean response length of what arrived."""
     transition_s: float | None = None
     """The cost of the placement change measured in the window, if there was one."""
 
     @classmethod
-    def from_rows(cls, rows: list[dict]) -> "WindowMeasurement":
+    def from_rows(cls, rows: list[dict], warmup_steps: int = 0) -> "WindowMeasurement":
         """From the decoupled modes' metrics rows (and transition rows, which carry ``transition_s``)."""
-        steps = [r for r in rows if "transition" not in r]
+        steps = [
+            r for r in rows
+            if "transition" not in r and r.get("step", warmup_steps + 1) > warmup_steps
+            and r["rollout_busy_s"] + r["rollout_idle_s"] > 0
+        ]
         changes = [r["transition_s"] for r in rows if "transition" in r]
+        arrived = sum(r["received_samples"] for r in steps)
+        arrived_tokens = sum(r["received_samples"] * r.get("received_response_len_mean", r.get("response_len_mean", 0.0)) for r in steps)
+        length = arrived_tokens / arrived if arrived else 0.0
+        useful = sum((r["received_samples"] - r.get("evicted_unused", 0)) for r in steps) * length
+        trained = sum(r["fresh_samples"] + r["replayed_samples"] for r in steps)
         return cls(
             steps=len(steps),
             seconds=sum(r["step_time_s"] for r in steps),
-            produced=sum(r["received_samples"] for r in steps),
-            trained=sum(r["fresh_samples"] + r["replayed_samples"] for r in steps),
+            useful_tokens=useful,
+            arrived=arrived,
+            trained_samples=trained,
+            trained_tokens=sum(r.get("trainer_tokens", 0) for r in steps),
             trainer_wait_s=sum(r["trainer_wait_s"] for r in steps),
             rollout_busy_s=sum(r["rollout_busy_s"] for r in steps),
             rollout_idle_s=sum(r["rollout_idle_s"] for r in steps),
+            length_mean=length,
             transition_s=changes[-1] if changes else None,
         )
+
+    @property
+    def trainer_idle(self) -> float:
+        return self.trainer_wait_s / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def rollout_idle(self) -> float:
+        total = self.rollout_busy_s + self.rollout_idle_s
+        return self.rollout_idle_s / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The smoothed measurements of step 2."""
+
+    production: float
+    """Useful response tokens per rollout rank-second."""
+    consumption: float
+    """Trained tokens per trainer replica-second."""
+    length: float
+    length_trend: float
+    """Change of the mean response length per step."""
+    prompt_tokens: float
+    """Mean trained tokens per sample beyond its response."""
 
 
 @dataclass(frozen=True)
@@ -84,12 +138,18 @@ class Candidate:
     replicas: int
     rollout_ranks: int
     production: float
-    """Predicted samples per second generated."""
+    """Predicted samples per second generated (and trained: not evicted)."""
     consumption: float
     """Predicted samples per second trained when never starved."""
-    score: float
+    throughput: float
+    """Predicted samples per second trained: min(consumption, production / (1 - sigma))."""
+    coverage: float
+    """Fresh coverage: production / consumption."""
     step_s: float
     """Predicted seconds per trainer step."""
+
+    def in_band(self, sigma: float) -> bool:
+        return 1.0 - sigma <= self.coverage <= 1.0
 
 
 @dataclass(frozen=True)
@@ -99,24 +159,28 @@ class PlacementDecision:
     target: int | None
     """Replicas to move to, or None to stay."""
     reason: str
-    production_rate: float | None = None
-    consumption_rate: float | None = None
+    rates: Rates | None = None
     candidates: list[Candidate] = field(default_factory=list)
+    predicted_length: float | None = None
     predicted_saving_s: float | None = None
     transition_cost_s: float | None = None
 
     def as_row(self) -> dict:
-        """For metrics.jsonl: the inputs, every candidate's score and the outcome."""
+        """For metrics.jsonl: the inputs, every candidate's prediction and the outcome."""
         row = {
             "planner_current_replicas": self.current,
             "planner_target_replicas": self.target if self.target is not None else self.current,
             "planner_reason": self.reason,
         }
-        if self.production_rate is not None:
+        if self.rates is not None:
             row.update(
-                planner_production_per_rank_s=self.production_rate,
-                planner_consumption_per_replica_s=self.consumption_rate,
-                planner_scores={str(c.replicas): round(c.score, 4) for c in self.candidates},
+                planner_production_tokens_per_rank_s=self.rates.production,
+                planner_consumption_tokens_per_replica_s=self.rates.consumption,
+                planner_length=self.rates.length,
+                planner_length_trend=self.rates.length_trend,
+                planner_predicted_length=self.predicted_length,
+                planner_throughput={str(c.replicas): round(c.throughput, 4) for c in self.candidates},
+                planner_coverage={str(c.replicas): round(c.coverage, 3) for c in self.candidates},
                 planner_step_s={str(c.replicas): round(c.step_s, 3) for c in self.candidates},
                 planner_predicted_saving_s=self.predicted_saving_s,
                 planner_transition_cost_s=self.transition_cost_s,
@@ -125,39 +189,81 @@ class PlacementDecision:
 
 
 class PlacementPlanner:
-    """A ``PlacementController``: scores every feasible placement at each sync point (``decide``)."""
+    """A ``PlacementController``: predicts every feasible placement's throughput at each sync point (``decide``)."""
 
     def __init__(self, settings: PlannerSettings):
         if not 0 <= settings.sigma < 1:
             raise ValueError(f"sigma must be in [0, 1), got {settings.sigma}")
+        if not 0 < settings.ema <= 1:
+            raise ValueError(f"the planner's ema weight must be in (0, 1], got {settings.ema}")
         self.settings = settings
         self.last_change_step = 0  # the run's start counts as a change: a first window of cooldown_steps
         self.transition_cost_s = settings.transition_cost_s
+        self.smoothed: Rates | None = None
+        self.idle_streak = {"trainer": 0, "rollout": 0}
         self.decisions: list[PlacementDecision] = []
 
-    def rates(self, window: WindowMeasurement, replicas: int) -> tuple[float, float] | None:
-        """(p, c) of step 1, or None when the window measured too little to tell."""
-        working = window.seconds - window.trainer_wait_s
-        if window.steps == 0 or window.rollout_busy_s <= 0 or working <= 0 or window.produced == 0:
-            return None
-        return window.produced / window.rollout_busy_s, window.trained / working / replicas
+    # ---- steps 1 and 2 -------------------------------------------------------------------
 
-    def candidates(self, production_rate: float, consumption_rate: float) -> list[Candidate]:
+    @staticmethod
+    def window_rates(window: WindowMeasurement, replicas: int) -> tuple[float, float, float] | None:
+        """(p, c, prompt tokens per sample) of one window, or None when it measured too little to tell."""
+        working = window.seconds - window.trainer_wait_s
+        if window.steps == 0 or window.rollout_busy_s <= 0 or working <= 0 or window.useful_tokens <= 0 or not window.trained_samples:
+            return None
+        prompt = max(window.trained_tokens / window.trained_samples - window.length_mean, 0.0)
+        return window.useful_tokens / window.rollout_busy_s, window.trained_tokens / working / replicas, prompt
+
+    def observe(self, window: WindowMeasurement, replicas: int) -> Rates | None:
+        measured = self.window_rates(window, replicas)
+        if measured is None:
+            return self.smoothed
+        production, consumption, prompt = measured
+        previous, weight = self.smoothed, self.settings.ema
+        if previous is None:
+            self.smoothed = Rates(production, consumption, window.length_mean, 0.0, prompt)
+        else:
+            blend = lambda old, new: (1 - weight) * old + weight * new  # noqa: E731
+            trend = (window.length_mean - previous.length) / window.steps
+            self.smoothed = Rates(
+                blend(previous.production, production), blend(previous.consumption, consumption),
+                blend(previous.length, window.length_mean), blend(previous.length_trend, trend), blend(previous.prompt_tokens, prompt),
+            )
+        return self.smoothed
+
+    # ---- steps 3 and 4 -------------------------------------------------------------------
+
+    def predicted_length(self, rates: Rates) -> float:
+        ahead = rates.length + rates.length_trend * self.settings.horizon_steps / 2
+        return max(1.0, rates.length / 2, min(2 * rates.length, ahead))
+
+    def candidates(self, rates: Rates) -> list[Candidate]:
         settings = self.settings
         fresh_share = 1.0 - settings.sigma
+        length = self.predicted_length(rates)
         out = []
         for replicas in settings.replica_options:
             rollout = settings.world_size - replicas * settings.shard_degree
-            production, consumption = production_rate * rollout, consumption_rate * replicas
-            score = abs(math.log(production / consumption / fresh_share))
+            production = rates.production * rollout / length
+            consumption = rates.consumption * replicas / (rates.prompt_tokens + length)
             throughput = min(consumption, production / fresh_share)
-            out.append(Candidate(replicas, rollout, production, consumption, score, settings.batch_size / throughput))
+            coverage = production / consumption if consumption > 0 else float("inf")
+            step_s = settings.batch_size / throughput if throughput > 0 else float("inf")
+            out.append(Candidate(replicas, rollout, production, consumption, throughput, coverage, step_s))
         return out
 
+    def choose(self, candidates: list[Candidate], replicas: int) -> Candidate:
+        best = max(c.throughput for c in candidates)
+        tied = [c for c in candidates if c.throughput >= (1 - TIE) * best]
+        return min(tied, key=lambda c: (not c.in_band(self.settings.sigma), abs(c.replicas - replicas)))
+
+    # ---- step 5 ----------------------------------------------------------------------------
+
     def decide(self, step: int, replicas: int, window: list[dict]) -> PlacementDecision:
-        decision = self._decide(step, replicas, WindowMeasurement.from_rows(window))
+        decision = self._decide(step, replicas, WindowMeasurement.from_rows(window, self.settings.warmup_steps))
         if decision.target is not None:
             self.last_change_step = step
+            self.idle_streak = {"trainer": 0, "rollout": 0}
         self.decisions.append(decision)
         return decision
 
@@ -165,29 +271,43 @@ class PlacementPlanner:
         settings = self.settings
         if window.transition_s is not None:
             self.transition_cost_s = window.transition_s
-        rates = self.rates(window, replicas)
+        if window.steps:
+            for side, idle in (("trainer", window.trainer_idle), ("rollout", window.rollout_idle)):
+                self.idle_streak[side] = self.idle_streak[side] + 1 if idle > settings.idle_threshold else 0
+        rates = self.observe(window, replicas)
         if rates is None:
-            return PlacementDecision(step, replicas, None, "too little measured in the window")
-        production_rate, consumption_rate = rates
-        candidates = self.candidates(production_rate, consumption_rate)
+            return PlacementDecision(step, replicas, None, "too little measured yet")
+        candidates = self.candidates(rates)
         current = next(c for c in candidates if c.replicas == replicas)
-        best = min(candidates, key=lambda c: (c.score, c.step_s))
-        saving = settings.horizon_steps * (current.step_s - best.step_s)
+        chosen = self.choose(candidates, replicas)
+        saving = settings.horizon_steps * (current.step_s - chosen.step_s)
         detail = dict(
-            production_rate=production_rate, consumption_rate=consumption_rate, candidates=candidates,
+            rates=rates, candidates=candidates, predicted_length=self.predicted_length(rates),
             predicted_saving_s=saving, transition_cost_s=self.transition_cost_s,
         )
-        if best.replicas == replicas:
-            return PlacementDecision(step, replicas, None, "the current placement scores best", **detail)
-        if best.score + settings.margin > current.score:
-            return PlacementDecision(step, replicas, None, f"best ({best.replicas} replicas) within the margin", **detail)
+        if chosen.replicas == replicas:
+            return PlacementDecision(step, replicas, None, "the current placement is predicted best", **detail)
         if step - self.last_change_step < settings.cooldown_steps:
             return PlacementDecision(step, replicas, None, "cooling down after the last change", **detail)
+        # a trainer starving for windows wants more rollout ranks (fewer replicas); idle rollout ranks, more replicas
+        idle_side = next(
+            (side for side in ("trainer", "rollout") if self.idle_streak[side] >= settings.idle_windows
+             and (chosen.replicas < replicas if side == "trainer" else chosen.replicas > replicas)),
+            None,
+        )
+        summary = (
+            f"{chosen.replicas} replicas: {chosen.throughput:.3g} vs {current.throughput:.3g} samples/s at a predicted "
+            f"length of {self.predicted_length(rates):.0f} tokens, saves {saving:.1f}s over {settings.horizon_steps} steps "
+            f"against a {self.transition_cost_s:.1f}s transition"
+        )
+        if idle_side is not None:
+            return PlacementDecision(
+                step, replicas, chosen.replicas,
+                f"{summary}; the {idle_side} side idled above {settings.idle_threshold} for {self.idle_streak[idle_side]} windows",
+                **detail,
+            )
+        if chosen.throughput < (1 + settings.margin) * current.throughput:
+            return PlacementDecision(step, replicas, None, f"best ({chosen.replicas} replicas) within the margin", **detail)
         if saving <= self.transition_cost_s:
             return PlacementDecision(step, replicas, None, "predicted saving below the transition cost", **detail)
-        return PlacementDecision(
-            step, replicas, best.replicas,
-            f"{best.replicas} replicas: mismatch {best.score:.2f} vs {current.score:.2f}, saves {saving:.1f}s "
-            f"over {settings.horizon_steps} steps against a {self.transition_cost_s:.1f}s transition",
-            **detail,
-        )
+        return PlacementDecision(step, replicas, chosen.replicas, summary, **detail)

@@ -121,3 +121,28 @@ def _spread_urgent(shards: Sequence[ShardCounts]) -> list[Move]:
                 room[receiver] -= count
                 overflow -= count
     return moves
+
+
+def deal_groups(held: Sequence[Sequence[int]], stays: Sequence[int | None], num_new: int) -> list[list[tuple[int, int]]]:
+    """A placement change's partial rollouts: ``held[w]`` lists the sizes (sequences in flight) of the groups
+    old rollout worker w holds; ``stays[w]`` is its index among the new rollout workers, or None when it
+    leaves. A staying worker keeps its groups; a leaving worker's groups go, one by one, to the new worker
+    holding the fewest sequences (ties: the lowest index). Returns, per new worker, (old worker, group
+    position) of every group it resumes, its own first."""
+    dealt: list[list[tuple[int, int]]] = [[] for _ in range(num_new)]
+    load = [0] * num_new
+    for worker, new in enumerate(stays):
+        if new is not None:
+            dealt[new].extend((worker, k) for k in range(len(held[worker])))
+            load[new] += sum(held[worker])
+    if num_new == 0:
+        if any(held[worker] for worker, new in enumerate(stays) if new is None):
+            raise ValueError("partial rollouts to hand over, but no rollout worker in the new placement")
+        return dealt
+    for worker, new in enumerate(stays):
+        if new is None:
+            for k, size in enumerate(held[worker]):
+                target = min(range(num_new), key=lambda r: (load[r], r))
+                dealt[target].append((worker, k))
+                load[target] += size
+    return dealt

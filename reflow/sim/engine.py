@@ -86,6 +86,25 @@ class SimEngine:
             seq.needs_prefill = seq.prompt_tokens
         self.waiting.extend(sequences)
 
+    def reload_weights(self) -> None:
+        """A weight sync: the live engine resets its prefix cache, so every sequence in flight prefills its prompt
+        and generated prefix again when it next runs (partial rollouts keep their tokens)."""
+        for seq in self.running + self.waiting:
+            seq.needs_prefill = seq.prompt_tokens + seq.generated
+
+    def hold_all(self) -> list[SimSequence]:
+        """A placement change: stop everything in flight, keeping each sequence's tokens (to resume here or on
+        another engine, which prefills its prompt and prefix again)."""
+        held = self.running + self.waiting + self.in_tool
+        self.running, self.waiting, self.in_tool = [], [], []
+        for seq in held:
+            seq.needs_prefill = seq.prompt_tokens + seq.generated
+        return held
+
+    def resume(self, sequences: list[SimSequence]) -> None:
+        """Held sequences, from this engine or another: they wait to be scheduled, their prefill pending."""
+        self.waiting.extend(sequences)
+
     def _schedule(self) -> None:
         back = [seq for seq in self.in_tool if seq.resume_at <= self.clock]
         if back:

@@ -27,15 +27,21 @@ decode steps) rather than between single steps; one global prompt stream.
 
 from __future__ import annotations
 
+import heapq
 import random
 from dataclasses import dataclass, field
 
 from reflow.config.job_config import JobConfig
 from reflow.modes.settings import resolve_settings
-from reflow.replay import BufferedSample, ReplayBuffer, build_filter, build_sampler
+from reflow.modes.commands import Command, Progress
+from reflow.modes.leader import Leader
+from reflow.modes.ledger import new_ledger
+from reflow.modes.rollout_worker import apply_progress
+from reflow.modes.trainer_shard import TrainerShard
+from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
-from reflow.scheduler.dispatch import GroupDispatcher, WorkerReport
-from reflow.scheduler.routing import ShardCounts, ShardRouter, plan_moves
+from reflow.scheduler.dispatch import WorkerReport
+from reflow.scheduler.routing import ShardRouter, deal_groups
 from reflow.scheduler.concurrency import (
     AdmissionRule,
     ConcurrencyController,
@@ -47,6 +53,7 @@ from reflow.scheduler.concurrency import (
 from reflow.sim.engine import SimEngine, SimSequence
 from reflow.sim.profiles import CostProfile
 from reflow.sim.workload import Workload
+from reflow.types import Sample, TrainerView, WorkerStats
 
 
 @dataclass(frozen=True)
@@ -103,13 +110,17 @@ class StepRecord:
     rollout_idle_s: float
     placement: str
     staleness: list[int] = field(default_factory=list)
+    received_tokens: int = 0
+    """Response tokens of the samples that arrived."""
+    evicted: int = 0
 
     def as_row(self) -> dict:
         """The live decoupled rows' keys the placement planner reads."""
         return {
-            "step_time_s": self.end - self.start, "trainer_wait_s": self.wait_s, "received_samples": self.received,
-            "fresh_samples": self.fresh, "replayed_samples": self.replayed, "rollout_busy_s": self.rollout_busy_s,
-            "rollout_idle_s": self.rollout_idle_s,
+            "step": self.step, "step_time_s": self.end - self.start, "trainer_wait_s": self.wait_s,
+            "received_samples": self.received, "received_response_len_mean": self.received_tokens / max(self.received, 1),
+            "evicted_unused": self.evicted, "fresh_samples": self.fresh, "replayed_samples": self.replayed,
+            "trainer_tokens": self.trainer_tokens, "rollout_busy_s": self.rollout_busy_s, "rollout_idle_s": self.rollout_idle_s,
         }
 
 
@@ -171,6 +182,20 @@ class _Rollout:
             self.rule.controller.observe(engine.clock, engine.kv_usage(), engine.profile.kv_budget_tokens, engine.num_active, engine.preemptions)
 
 
+class _InstantControl:
+    """The simulator's control plane: a command reaches its rollout worker at once, and is applied by the
+    function the live rollout worker applies it with."""
+
+    def __init__(self, sim: "DecoupledSim"):
+        self.sim = sim
+
+    def send(self, dst: int, command: Command) -> None:
+        if not isinstance(command, Progress):
+            raise TypeError(f"the simulator's leader sends only Progress, got {command!r}")
+        rollout = self.sim.rollouts[dst]
+        apply_progress(command, rollout.budget, rollout.router)
+
+
 class DecoupledSim:
     def __init__(self, cfg: SimConfig, profile: CostProfile, workload: Workload):
         self.cfg, self.profile, self.workload = cfg, profile, workload
@@ -182,23 +207,25 @@ class DecoupledSim:
         self.draws = 0
         self.tokens: dict[str, int] = {}
         self.partial: dict[str, list[SimSequence]] = {}
-        self.shards: list[ReplayBuffer] = []
+        self.shards: list[TrainerShard] = []
+        self.ledger = new_ledger()  # every simulated shard's entries (the live ledger's, in one)
         self.rollouts: list[_Rollout] = []
         self.records: list[StepRecord] = []
         self.transitions: list[dict] = []
-        self.evicted_unused = 0
         self.received = 0  # samples delivered to the shards during the current step
-        self.moved = 0  # samples moved between shards (``plan_moves``)
+        self.received_tokens = 0  # and their response tokens
         self.planner = (
             PlacementPlanner(PlannerSettings(
                 world_size=cfg.gpus, shard_degree=cfg.shard_degree,
                 replica_options=tuple(range(1, (cfg.gpus - 1) // cfg.shard_degree + 1)), sigma=self.settings.sigma,
                 batch_size=cfg.batch, cooldown_steps=cfg.cooldown_steps, margin=cfg.margin, horizon_steps=cfg.horizon_steps,
-                transition_cost_s=profile.transition_s,
+                transition_cost_s=profile.transition_s, warmup_steps=cfg.warmup_steps,
             ))
             if cfg.adaptive_placement else None
         )
-        self.window: list[dict] = []
+        self.leader = Leader(_InstantControl(self), cfg.group_size, self.planner)
+        self.earliest: list[tuple[float, int]] = []  # (clock, index) of the busy engines (``_step_earliest``)
+        self.evicted_at = -1  # the version the shards last evicted aged samples at
         self.engines_ever: list[SimEngine] = []  # every engine the run built (for its preemption count)
         self._enter(cfg.replicas)
 
@@ -208,27 +235,32 @@ class DecoupledSim:
     def placement(self) -> str:
         return f"T{self.replicas}x{self.cfg.shard_degree}+R{len(self.rollouts)}"
 
-    def _new_buffer(self, rank: int) -> ReplayBuffer:
+    def _new_shard(self, index: int, num_rollout: int, batch_per_shard: int) -> TrainerShard:
         buffer = ReplayBuffer(
             self.settings.sigma, self.settings.delta, build_sampler("random"), build_filter("accept_all"),
-            seed=self.cfg.seed + rank, min_staleness=self.settings.min_staleness, anchor=self.settings.anchor,
+            seed=self.cfg.seed + index, min_staleness=self.settings.min_staleness, anchor=self.settings.anchor,
         )
         buffer.start_version = 0
-        return buffer
+        return TrainerShard(buffer, index, num_rollout, batch_per_shard, self.ledger)
 
-    def _enter(self, replicas: int) -> None:
+    def _enter(self, replicas: int, held: list[list[list[SimSequence]]] | None = None) -> None:
+        """The roles of a placement, as ``DecoupledMode.enter`` and ``change_placement`` take them up: staying
+        shards keep their samples, a leaving shard hands its buffer to the staying one of index (its index mod
+        A'), every budget starts at this step, and the leader deals (or tells) the new rollout workers."""
         cfg = self.cfg
         self.replicas = replicas
         num_shards = replicas * cfg.shard_degree
         num_rollout = cfg.gpus - num_shards
+        batch_per_shard = cfg.batch // num_shards
         leaving = self.shards[num_shards:]
-        self.shards = self.shards[:num_shards] + [self._new_buffer(r) for r in range(len(self.shards), num_shards)]
-        for index, buffer in enumerate(leaving):  # a leaving shard's samples go to a staying one
-            self.shards[index % num_shards].add(buffer.drain())
-        for buffer in self.shards:  # the budgets start afresh: no sample counts against an old one
-            for sample in buffer.unused + buffer.replayable:
-                sample.origin = -1
-        self.retired = [0] * num_rollout
+        self.shards = self.shards[:num_shards]
+        for shard in self.shards:
+            shard.batch_per_shard = batch_per_shard
+            shard.restart_budgets(num_rollout)
+        self.shards += [self._new_shard(k, num_rollout, batch_per_shard) for k in range(len(self.shards), num_shards)]
+        for shard in leaving:
+            samples, draws = shard.hand_over()
+            self.shards[shard.index % num_shards].accept_handover(samples, draws)
         engines = [r.engine for r in self.rollouts]
         kept = engines[len(engines) - num_rollout:] if num_rollout <= len(engines) else engines
         fresh = [SimEngine(self.profile, i) for i in range(num_rollout - len(kept))]
@@ -236,6 +268,12 @@ class DecoupledSim:
         for engine in fresh:
             engine.clock = engine.paused_until = self.clock
             engine.version = self.version
+        if held is not None:  # the partial rollouts: a staying engine keeps its own, a leaving one's are dealt
+            first_kept = len(engines) - len(kept)
+            stays = [len(fresh) + (k - first_kept) if k >= first_kept else None for k in range(len(engines))]
+            new_engines = fresh + kept
+            for target, dealt in enumerate(deal_groups([[len(g) for g in groups] for groups in held], stays, num_rollout)):
+                new_engines[target].resume([seq for worker, k in dealt for seq in held[worker][k]])
         dealt = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
         self.rollouts = [
             _Rollout(
@@ -245,32 +283,51 @@ class DecoupledSim:
             )
             for index, engine in enumerate(fresh + kept)
         ]
-        self.dispatcher = (
-            GroupDispatcher(self.settings.dispatch, num_rollout, cfg.group_size, cfg.rho, start_step=self.steps_done)
+        dispatcher = (
+            Leader.new_dispatcher(self.settings.dispatch, num_rollout, cfg.group_size, cfg.rho, self.steps_done)
             if dealt else None
         )
+        self.leader.enter(list(range(num_rollout)), dispatcher)
+        self._rebuild_earliest()
         self._tell_budgets()
         for rollout in self.rollouts:
             self._admit(rollout)
 
     def _transition(self, replicas: int) -> None:
+        """As ``change_placement``: every engine holds what it has in flight (partial rollouts, which count
+        against no budget afterwards), the change costs the mechanism (the profile's transition seconds), and
+        the new placement's engines resume the held groups (``deal_groups``), prefilling them again."""
         start = self.clock
-        for rollout in self.rollouts:  # finish everything in flight; send it
-            while rollout.engine.num_active:
-                self._deliver(rollout, rollout.engine.step(float("inf")) or [])
+        held = []
+        for rollout in self.rollouts:
+            groups: dict[str, list[SimSequence]] = {}
+            for seq in rollout.engine.hold_all():
+                seq.origin = -1
+                groups.setdefault(seq.group, []).append(seq)
+            held.append(list(groups.values()))
         self.clock = max([self.clock] + [r.engine.clock for r in self.rollouts]) + self.profile.transition_s
         for rollout in self.rollouts:
             rollout.engine.idle_s += self.clock - rollout.engine.clock
             rollout.engine.clock = self.clock
         old = self.placement
-        self._enter(replicas)
+        self._enter(replicas, held)
         event = {"after_step": self.steps_done, "transition": f"{old} -> {self.placement}", "transition_s": self.clock - start}
         self.transitions.append(event)
-        self.window.append(event)
+        self.leader.placement_rows.append(event)
 
     # ---- rollout side --------------------------------------------------------------------
 
     def _admit(self, rollout: _Rollout) -> None:
+        engine = rollout.engine
+        if not engine.num_active:  # an idle engine that gets work enters the heap of busy engines
+            self._admit_group(rollout)
+            if engine.num_active:
+                heapq.heappush(self.earliest, (max(engine.clock, engine.paused_until), rollout.index))
+            return
+        self._admit_group(rollout)
+
+    def _admit_group(self, rollout: _Rollout) -> None:
+        """Start whole groups while the budget has room and the admission rule lets the next one in."""
         cfg, engine = self.cfg, rollout.engine
         while True:
             if not rollout.budget.can_start() or not rollout.allows(self.workload.prompt_tokens, cfg.group_size):
@@ -302,31 +359,45 @@ class DecoupledSim:
             samples = []
             for member in members:
                 self.tokens[member.uid] = member.prompt_tokens + member.generated
-                samples.append(BufferedSample(
+                samples.append(Sample(
                     uid=member.uid, draw=member.draw, group_id=member.group, prompt_ids=[], output_ids=[], logprobs=[],
                     versions=[member.birth_version], reward=0.5, origin=member.origin, advantage=1.0,
                     finish_version=rollout.engine.version,
                 ))
             # bound to a shard on arrival: the router sees the shards' counts exactly here (Progress, instantly)
-            rollout.router.update([buffer.num_unused for buffer in self.shards])
-            buffer = self.shards[rollout.router.choose(len(samples))]
+            rollout.router.update([shard.buffer.num_unused for shard in self.shards])
+            self.shards[rollout.router.choose(len(samples))].accept_group(samples, self.version)
             self.received += len(samples)
-            for sample in samples:
-                if buffer.is_stale(sample, self.version):
-                    self._retire_evicted(sample)
-                else:
-                    buffer.add([sample])
+            self.received_tokens += sum(member.generated for member in members)
 
     def _step_earliest(self) -> float | None:
-        """One macro-step of the busy engine with the earliest clock; returns that engine's clock after it
-        (None if no engine has work)."""
-        busy = [r for r in self.rollouts if r.engine.num_active]
-        if not busy:
+        """One macro-step of the busy engine with the earliest clock (ties: the lowest index); returns that
+        engine's clock after it (None if no engine has work).
+
+        ``self.earliest`` is a lazy heap of (clock, index): every engine with work has an entry, whose clock is
+        at most its actual one (clocks only advance). The top is corrected until it is exact, so it is the
+        earliest busy engine."""
+        heap = self.earliest
+        while heap:
+            key, index = heap[0]
+            engine = self.rollouts[index].engine
+            if not engine.num_active:
+                heapq.heappop(heap)
+            elif max(engine.clock, engine.paused_until) != key:
+                heapq.heapreplace(heap, (max(engine.clock, engine.paused_until), index))
+            else:
+                break
+        else:
             return None
-        rollout = min(busy, key=lambda r: max(r.engine.clock, r.engine.paused_until))
+        rollout = self.rollouts[index]
         self._deliver(rollout, rollout.engine.step(float("inf")) or [])
         self._admit(rollout)
+        heapq.heapreplace(heap, (max(rollout.engine.clock, rollout.engine.paused_until), index))
         return rollout.engine.clock
+
+    def _rebuild_earliest(self) -> None:
+        self.earliest = [(max(r.engine.clock, r.engine.paused_until), r.index) for r in self.rollouts if r.engine.num_active]
+        heapq.heapify(self.earliest)
 
     def _run_engines_to(self, until: float) -> None:
         for rollout in self.rollouts:
@@ -341,49 +412,38 @@ class DecoupledSim:
                 engine.idle_s += until - engine.clock
                 engine.clock = until
 
+    def _view(self) -> TrainerView:
+        """The readiness exchange, in process: every shard's report, combined as the gloo exchange does."""
+        return TrainerView.combine([shard.readiness(self.version) for shard in self.shards])
+
     def _tell_budgets(self) -> None:
-        """Progress: every budget learns the steps done and retirements, and with the global dispatcher its grants."""
-        granted = None
-        if self.dispatcher is not None:
+        """The leader's Progress (reports read exactly, commands delivered at once: ``_InstantControl``)."""
+        if self.leader.dispatcher is not None:
             for rollout in self.rollouts:
-                self.dispatcher.report(rollout.index, rollout.report())
-            granted = self.dispatcher.deal(self.steps_done, self.retired)
-        for rollout in self.rollouts:
-            rollout.budget.update(self.steps_done, self.retired[rollout.index])
-            if granted is not None:
-                rollout.budget.grant(granted[rollout.index])
-            rollout.router.update([buffer.num_unused for buffer in self.shards])
-
-    # ---- trainer side ----------------------------------------------------------------------
-
-    def _retire(self, sample: BufferedSample) -> None:
-        if 0 <= sample.origin < len(self.retired):
-            self.retired[sample.origin] += 1
-
-    def _retire_evicted(self, sample: BufferedSample) -> None:
-        self.evicted_unused += 1
-        self._retire(sample)
-
-    def _evict(self) -> None:
-        for buffer in self.shards:
-            for sample in buffer.evict_stale(self.version):
-                if sample.use_count == 0:
-                    self._retire_evicted(sample)
+                self.leader.receive_stats(rollout.index, WorkerStats(load=rollout.report()))
+            self.leader.rollout_window.clear()  # (the simulator keeps its own busy and idle seconds)
+        self.leader.publish(self.steps_done, self._view())
 
     def _ready(self) -> bool:
-        """Every shard can serve exactly b/A; short shards first take others' surplus (moves are instant here)."""
-        per_shard = self.cfg.batch // len(self.shards)
-        self._evict()
+        """The trainer's wait loop (``DecoupledMode._wait_for_batch``) with instant moves: evict what aged, then
+        move until no move is due, and report whether every shard can serve exactly b/A. While the shards hold
+        fewer unused samples than their batches need together, no shard set can be ready: the full check waits
+        for that (the version is fixed while the trainer waits, so nothing ages meanwhile)."""
+        if self.evicted_at != self.version:  # (a group that arrives stale is retired on arrival)
+            for shard in self.shards:
+                shard.evict_stale(self.version, "aged")
+            self.evicted_at = self.version
+        per_shard = self.shards[0].batch_per_shard
+        if sum(shard.buffer.num_unused for shard in self.shards) < sum(shard.buffer.need(per_shard) for shard in self.shards):
+            return False
         while True:
-            moves = plan_moves([
-                ShardCounts(buffer.num_eligible(self.version), buffer.need(per_shard), buffer.num_urgent(self.version), per_shard)
-                for buffer in self.shards
-            ])
+            view = self._view()
+            moves = view.moves(self.shards[0].batch_per_shard)
             if not moves:
-                return all(buffer.can_serve(per_shard, self.version) for buffer in self.shards)
-            for move in moves:
-                self.shards[move.receiver].add(self.shards[move.donor].take_eligible(move.first, move.count, self.version))
-                self.moved += move.count
+                return view.all_ready
+            for shard in self.shards:
+                for receiver, samples in shard.donate(moves, self.version):
+                    self.shards[receiver].accept_moved(samples)
 
     def run(self) -> dict:
         cfg, profile = self.cfg, self.profile
@@ -391,7 +451,8 @@ class DecoupledSim:
             step_start = self.clock
             busy0 = sum(r.engine.busy_s for r in self.rollouts)
             idle0 = sum(r.engine.idle_s for r in self.rollouts)
-            self.received = 0
+            self.received = self.received_tokens = 0
+            evicted_before = len(self.ledger["evicted_unused"])
             # 1. wait until every shard can serve a batch (the other engines catch up to that time, and what they
             #    deliver meanwhile goes through the same staleness check)
             while True:
@@ -407,31 +468,31 @@ class DecoupledSim:
                     break
             ready = self.clock
             # 2. train: every shard's batch; the slowest rank sets the time
-            per_shard = cfg.batch // len(self.shards)
-            plans = [buffer.plan_batch(per_shard, self.version) for buffer in self.shards]
+            plans = [shard.plan(self.version) for shard in self.shards]
             rank_tokens = [sum(self.tokens[s.uid] for s in plan.fresh + plan.replayed) for plan in plans]
             staleness = [0] * (self.settings.delta + 1)
-            for buffer, plan in zip(self.shards, plans):
+            for shard, plan in zip(self.shards, plans):
                 for sample in plan.fresh + plan.replayed:
-                    staleness[buffer.staleness(sample, self.version)] += 1
+                    staleness[shard.buffer.staleness(sample, self.version)] += 1
             train_end = ready + profile.train_overhead_s + max(rank_tokens) * profile.train_token_s
             if len(self.shards) > 1:
                 train_end += profile.train_collective_s
             self._run_engines_to(train_end)
             self.clock = train_end
             # 3. retire and tell the budgets
-            for buffer, plan in zip(self.shards, plans):
-                buffer.give_back(plan)
-                for sample in plan.fresh:
-                    self._retire(sample)
+            for shard, plan in zip(self.shards, plans):
+                shard.retire_trained(plan)
+                shard.take_window()
             self.version += 1
             self.steps_done += 1
             # 4. weight sync
             if self.version % self.settings.interval == 0:
-                self._evict()
+                for shard in self.shards:
+                    shard.evict_stale(self.version, "at_sync")
                 for rollout in self.rollouts:
                     rollout.engine.paused_until = max(rollout.engine.clock, self.clock) + profile.weight_sync_s
                     rollout.engine.version = self.version
+                    rollout.engine.reload_weights()
                 self.clock += profile.weight_sync_s
             self._tell_budgets()
             for rollout in self.rollouts:
@@ -445,22 +506,23 @@ class DecoupledSim:
                 fresh=sum(len(p.fresh) for p in plans), replayed=sum(len(p.replayed) for p in plans),
                 rollout_busy_s=sum(r.engine.busy_s for r in self.rollouts) - busy0,
                 rollout_idle_s=sum(r.engine.idle_s for r in self.rollouts) - idle0,
-                placement=self.placement, staleness=staleness,
+                placement=self.placement, staleness=staleness, received_tokens=self.received_tokens,
+                evicted=len(self.ledger["evicted_unused"]) - evicted_before,
             )
             self.records.append(record)
-            self.window.append(record.as_row())
+            self.leader.placement_rows.append(record.as_row())
             # 5. placement, at sync points
             if self.planner is not None and self.version % self.settings.interval == 0 and self.steps_done < cfg.steps:
-                decision = self.planner.decide(self.steps_done, self.replicas, self.window)
-                self.window = []
+                decision = self.leader.decide_placement(self.steps_done, self.replicas)
                 if decision.target is not None:
                     self._transition(decision.target)
                     self.transitions[-1]["reason"] = decision.reason
         result = summarize(self.records, cfg.warmup_steps, self.transitions)
-        result["evicted_unused"] = self.evicted_unused
+        evicted = len(self.ledger["evicted_unused"])
+        result["evicted_unused"] = evicted
         trained_fresh = sum(r.fresh for r in self.records)
-        result["evicted_fraction"] = self.evicted_unused / max(self.evicted_unused + trained_fresh, 1)
-        result["moved_between_shards"] = self.moved
+        result["evicted_fraction"] = evicted / max(evicted + trained_fresh, 1)
+        result["moved_between_shards"] = len(self.ledger["moved_in"])
         result["preemptions"] = sum(engine.preemptions for engine in self.engines_ever)
         result["staleness_counts"] = [sum(r.staleness[k] for r in self.records) for k in range(self.settings.delta + 1)]
         return result

@@ -25,9 +25,19 @@ class Workload:
     """Seconds a trajectory waits on its tool per turn (the engine keeps serving the others)."""
     empirical: tuple[int, ...] = field(default=())
     """Response lengths to resample from instead of the log-normal (a dataset's answers)."""
+    length_schedule: tuple[tuple[int, float], ...] = ()
+    """(from step, factor): the lengths are multiplied by the factor of the latest entry at or before the step
+    (a workload whose rollout cost per token rises and falls: attention over a longer context costs more)."""
+
+    def length_factor(self, step: int) -> float:
+        factor = 1.0
+        for start, value in self.length_schedule:
+            if step >= start:
+                factor = value
+        return factor
 
     def response_length(self, rng: random.Random, step: int) -> int:
-        scale = (1.0 + self.drift_per_step) ** step
+        scale = (1.0 + self.drift_per_step) ** step * self.length_factor(step)
         if self.empirical:
             length = rng.choice(self.empirical) * scale
         else:

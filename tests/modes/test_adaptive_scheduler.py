@@ -1,6 +1,6 @@
 """The adaptive scheduler live: reflow mode on 4 ranks with the concurrency controller, the KV rule and the
 placement planner on. Whatever the planner decides on this noisy machine, every decision is logged with the
-score of every feasible placement, the rollout workers' gate statistics and the global dispatcher's grants
+predicted throughput of every feasible placement, the rollout workers' gate statistics and the global dispatcher's grants
 reach the metrics, and no sample is lost, duplicated or trained staler than delta."""
 
 import json
@@ -25,14 +25,14 @@ def test_reflow_with_the_adaptive_scheduler_logs_every_decision_and_loses_nothin
     lines = [json.loads(line) for line in open(os.path.join(tmp_path, "reflow", "metrics.jsonl"))]
     decisions = [r for r in lines if "planner_reason" in r]
     assert [d["step"] for d in decisions] == list(range(1, 10))  # every sync point but the last step's
-    scored = [d for d in decisions if "planner_scores" in d]
+    scored = [d for d in decisions if "planner_throughput" in d]
     assert scored, [d["planner_reason"] for d in decisions]
     for d in scored:
-        assert set(d["planner_scores"]) == {"1", "2", "3"}  # every feasible trainer placement on 4 ranks
-        assert d["planner_production_per_rank_s"] > 0 and d["planner_consumption_per_replica_s"] > 0
-        if d["planner_target_replicas"] != d["planner_current_replicas"]:
-            best = min(d["planner_scores"], key=d["planner_scores"].get)
-            assert int(best) == d["planner_target_replicas"]
+        assert set(d["planner_throughput"]) == {"1", "2", "3"}  # every feasible trainer placement on 4 ranks
+        assert d["planner_production_tokens_per_rank_s"] > 0 and d["planner_consumption_tokens_per_replica_s"] > 0
+        if d["planner_target_replicas"] != d["planner_current_replicas"]:  # a move goes to a best-predicted placement
+            best = max(d["planner_throughput"].values())
+            assert d["planner_throughput"][str(d["planner_target_replicas"])] >= (1 - 0.02) * best
     # a decision to move is carried out after that step, and the rows follow the placement
     moves = [d for d in decisions if d["planner_target_replicas"] != d["planner_current_replicas"]]
     changes = [r for r in lines if "transition" in r]

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from reflow.replay import (
     AcceptAll,
-    BufferedSample,
     MediumRewardSampler,
     NonzeroAdvantage,
     RandomSampler,
@@ -19,10 +18,11 @@ from reflow.replay import (
     build_sampler,
 )
 from reflow.replay.buffer import max_replay, min_fresh
+from reflow.types import Sample
 
 
 def sample(i, version=0, reward=0.5, adv=1.0, group_mean=0.5):
-    return BufferedSample(
+    return Sample(
         uid=f"s{i}", draw=i // 4, group_id=f"g{i // 4}", prompt_ids=[1], output_ids=[5, 2], logprobs=[-0.1, -0.2],
         versions=[version, version], reward=reward, advantage=adv, group_reward_mean=group_mean,
     )

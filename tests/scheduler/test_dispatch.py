@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from reflow.config import ConfigManager
 from reflow.modes.settings import resolve_settings
-from reflow.replay import AcceptAll, BufferedSample, RandomSampler, ReplayBuffer
+from reflow.replay import AcceptAll, RandomSampler, ReplayBuffer
+from reflow.types import Sample
 from reflow.scheduler import DispatchBudget, DispatchRule, share_groups
 from reflow.scheduler.concurrency import WorkerLoad
 from reflow.scheduler.dispatch import GroupDispatcher, WorkerReport
@@ -231,7 +232,7 @@ def simulate(
         # one group finishes: the oldest (in order), or any of those in flight, the oldest less likely (a long tail)
         r, birth, gid = in_flight.pop(0 if in_order or rng.random() >= 0.8 else rng.randrange(len(in_flight)))
         samples = [
-            BufferedSample(
+            Sample(
                 uid=f"{gid}/{k}", draw=gid, group_id=str(gid), prompt_ids=[1], output_ids=[2], logprobs=[0.0],
                 versions=[birth], reward=0.0, origin=r, finish_version=engine_version,
             )

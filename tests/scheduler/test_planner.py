@@ -1,68 +1,109 @@
-"""The placement planner (Algorithm 1) on synthetic windows, against hand-computed rates and scores."""
-
-import math
+"""The placement planner on synthetic windows, against hand-computed rates and predictions."""
 
 import pytest
 
-from reflow.scheduler.planner import PlacementPlanner, PlannerSettings, WindowMeasurement
+from reflow.scheduler.planner import Candidate, PlacementPlanner, PlannerSettings, WindowMeasurement
 from reflow.scheduler.placement import ForcedSchedule, PlacementController
 
 
 def planner(**overrides) -> PlacementPlanner:
     settings = dict(world_size=4, shard_degree=1, replica_options=(1, 2, 3), sigma=0.5, batch_size=16, cooldown_steps=4,
-                    margin=0.1, horizon_steps=4, transition_cost_s=2.0)
+                    margin=0.1, horizon_steps=4, transition_cost_s=2.0, ema=0.5, warmup_steps=0)
     settings.update(overrides)
     return PlacementPlanner(PlannerSettings(**settings))
 
 
-def rows(steps=2, seconds=10.0, wait=5.0, trained=32, produced=40, busy=10.0, idle=5.0) -> list[dict]:
+def rows(steps=2, seconds=10.0, wait=5.0, trained=32, arrived=40, length=100.0, prompt=28, evicted=0, busy=10.0, idle=5.0,
+         first_step=1) -> list[dict]:
     """A window of ``steps`` equal metrics rows with these totals."""
     return [
-        {"step_time_s": seconds / steps, "trainer_wait_s": wait / steps, "fresh_samples": trained // steps // 2,
-         "replayed_samples": trained // steps - trained // steps // 2, "received_samples": produced // steps,
-         "rollout_busy_s": busy / steps, "rollout_idle_s": idle / steps}
-        for _ in range(steps)
+        {"step": first_step + k, "step_time_s": seconds / steps, "trainer_wait_s": wait / steps,
+         "fresh_samples": trained // steps // 2, "replayed_samples": trained // steps - trained // steps // 2,
+         "received_samples": arrived // steps, "received_response_len_mean": length, "evicted_unused": evicted // steps,
+         "trainer_tokens": trained // steps * (prompt + length), "rollout_busy_s": busy / steps, "rollout_idle_s": idle / steps}
+        for k in range(steps)
     ]
 
 
-def test_rates_count_only_unblocked_and_non_waiting_time():
-    window = WindowMeasurement.from_rows(rows())
-    p, c = planner().rates(window, replicas=1)
-    assert p == pytest.approx(40 / 10.0)  # per busy rank-second: the 5 idle seconds do not dilute it
-    assert c == pytest.approx(32 / (10.0 - 5.0))  # per non-waiting second: starvation is not slowness
+def test_rates_count_useful_tokens_per_unblocked_and_non_waiting_second():
+    window = WindowMeasurement.from_rows(rows(evicted=8))
+    p, c, prompt = planner().window_rates(window, replicas=1)
+    assert p == pytest.approx((40 - 8) * 100 / 10.0)  # evicted samples are not useful; idle seconds do not dilute
+    assert c == pytest.approx(32 * 128 / (10.0 - 5.0))  # per non-waiting second: starvation is not slowness
+    assert prompt == pytest.approx(28)
+
+
+def test_warm_up_steps_and_steps_without_a_rollout_report_are_left_out():
+    window = rows(steps=2, first_step=1) + rows(steps=2, first_step=3, busy=0.0, idle=0.0) + rows(steps=2, first_step=5)
+    measured = WindowMeasurement.from_rows(window, warmup_steps=2)
+    assert measured.steps == 2 and measured.arrived == 40
 
 
 def test_picks_the_hand_computed_placement():
-    """p = 4/s per rollout rank, c = 6.4/s per replica, sigma 0.5 (target coverage 0.5):
-    1 replica + 3 rollout: P/C = 12/6.4, score |ln(3.75)| = 1.32, step 16/6.4 = 2.5 s
-    2 replicas + 2:        P/C = 8/12.8, score |ln(1.25)| = 0.22, step 16/12.8 = 1.25 s
-    3 replicas + 1:        P/C = 4/19.2, score |ln(0.417)| = 0.88, step 16/8 = 2.0 s
+    """p = 400 useful tokens per rollout rank-second, c = 819.2 tokens per replica-second, length 100 (no trend
+    yet), prompt 28, sigma 0.5:
+    1 replica + 3 rollout: P = 12/s,  C = 6.4/s,  X = min(C, P/0.5) = 6.4, step 16/6.4 = 2.5 s
+    2 replicas + 2:        P = 8/s,   C = 12.8/s, X = 12.8, step 1.25 s, coverage 0.625 (in the band)
+    3 replicas + 1:        P = 4/s,   C = 19.2/s, X = 8, step 2.0 s
     Best: 2 replicas, saving 4 steps x (2.5 - 1.25) = 5 s > the 2 s a transition costs."""
     decision = planner().decide(step=4, replicas=1, window=rows())
-    scores = {c.replicas: c.score for c in decision.candidates}
-    assert scores[1] == pytest.approx(math.log(3.75))
-    assert scores[2] == pytest.approx(math.log(1.25))
-    assert scores[3] == pytest.approx(abs(math.log(4 / 19.2 / 0.5)))
+    throughput = {c.replicas: c.throughput for c in decision.candidates}
+    assert throughput == pytest.approx({1: 6.4, 2: 12.8, 3: 8.0})
     assert {c.replicas: c.step_s for c in decision.candidates} == pytest.approx({1: 2.5, 2: 1.25, 3: 2.0})
     assert decision.target == 2 and decision.predicted_saving_s == pytest.approx(5.0)
     row = decision.as_row()
-    assert row["planner_target_replicas"] == 2 and set(row["planner_scores"]) == {"1", "2", "3"}
+    assert row["planner_target_replicas"] == 2 and set(row["planner_throughput"]) == {"1", "2", "3"}
 
 
 def test_margin_cooldown_and_transition_cost_hold_a_change_back():
-    # the best must beat the current score (1.32) by the margin: 0.22 + 1.2 > 1.32
-    assert planner(margin=1.2).decide(4, 1, rows()).target is None
+    # the choice must beat the current throughput (6.4) by the margin: 12.8 < 2.5 x 6.4
+    assert "margin" in planner(margin=1.5).decide(4, 1, rows()).reason
     # the start counts as a change: no move before cooldown_steps steps
     held = planner().decide(2, 1, rows())
     assert held.target is None and "cooling" in held.reason
-    # after a change at step 4, the next is possible at step 8, not 6
-    plan = planner()
-    assert plan.decide(4, 1, rows()).target == 2
-    reverse = rows(trained=64, busy=40.0)  # now production is short: fewer replicas would do better
-    assert "cooling" in plan.decide(6, 2, reverse).reason
-    assert plan.decide(8, 2, reverse).target is not None
     # saving 5 s does not pay for a 6 s transition
     assert "transition cost" in planner(transition_cost_s=6.0).decide(4, 1, rows()).reason
+
+
+def test_one_window_moves_nothing_a_sustained_change_moves_within_three():
+    """After a move to 2 replicas (training twice the samples: c stays 819.2 per replica), production falls to a
+    quarter (busy 40 s for the same tokens: p = 100). The
+    EMA (weight 0.5) gives p = 250, 175, 137.5 over the next windows; 1 replica wins once p < 160:
+    n = 2 has X = min(12.8, 2 p / 100 / 0.5), n = 1 has X = min(6.4, 3 p / 100 / 0.5); at p = 137.5 the move
+    saves 8 steps x (16 / 5.5 - 16 / 6.4) = 3.3 s > 2 s."""
+    plan = planner(horizon_steps=8)
+    assert plan.decide(4, 1, rows()).target == 2
+    slow = rows(busy=40.0, trained=64)
+    decisions = [plan.decide(step, 2, slow) for step in (8, 10, 12)]
+    assert [d.target for d in decisions] == [None, None, 1]
+    assert decisions[-1].rates.production == pytest.approx(137.5)
+
+
+def test_an_idle_side_re_decides_regardless_of_the_margin():
+    """3 replicas + 1 rollout rank: the trainer waits half of every step (idle 0.5 > 0.3). With a margin no gain
+    can beat, the planner holds for one window and moves toward the rollout side after the second."""
+    plan = planner(margin=10.0, idle_windows=2)
+    first = plan.decide(4, 3, rows(trained=96))  # (c = 819.2 per replica, as above)
+    assert first.target is None and "margin" in first.reason
+    second = plan.decide(6, 3, rows(trained=96, first_step=5))
+    assert second.target == 2 and "trainer side idled" in second.reason
+
+
+def test_a_growing_length_is_predicted_at_the_horizon():
+    plan = planner(horizon_steps=10)
+    plan.decide(4, 2, rows(length=100.0))
+    decision = plan.decide(6, 2, rows(length=200.0, first_step=3))
+    # smoothed length 150, trend (200 - 100) / 2 steps x 0.5 = 25 per step: 150 + 25 x 10 / 2
+    assert decision.rates.length == pytest.approx(150.0) and decision.rates.length_trend == pytest.approx(25.0)
+    assert decision.predicted_length == pytest.approx(275.0)
+
+
+def test_ties_go_to_the_fresh_coverage_band():
+    plan = planner()
+    out_of_band = Candidate(1, 3, production=20.0, consumption=10.0, throughput=10.0, coverage=2.0, step_s=1.6)
+    in_band = Candidate(3, 1, production=7.0, consumption=10.1, throughput=9.9, coverage=0.69, step_s=1.62)
+    assert plan.choose([out_of_band, in_band], replicas=1) is in_band
+    assert plan.choose([out_of_band, Candidate(3, 1, 4.0, 12.0, 8.0, 0.33, 2.0)], replicas=3) is out_of_band
 
 
 def test_a_measured_transition_replaces_the_configured_cost():
@@ -73,7 +114,7 @@ def test_a_measured_transition_replaces_the_configured_cost():
 
 
 def test_stays_when_the_window_measured_nothing():
-    decision = planner().decide(4, 1, rows(produced=0))
+    decision = planner().decide(4, 1, rows(arrived=0))
     assert decision.target is None and decision.candidates == []
 
 

@@ -21,6 +21,7 @@ from reflow.modes.commands import Progress, Stop, SyncWeights
 from reflow.modes.prompts import PromptStream, initial_shares
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.rollouts import PromptTokenizer
+from reflow.types import GroupDone
 from reflow.rollout.engine import RolloutEngine
 from reflow.scheduler import DispatchBudget, DispatchRule
 from reflow.rollout.turns import TurnDriver
@@ -47,8 +48,8 @@ class CollectingOutbox:
         self.groups = []
 
     def put(self, dst, body):
-        if body["type"] == "group":
-            self.groups.append(body["samples"])
+        if isinstance(body, GroupDone):
+            self.groups.append(body.samples)
 
 
 class ScriptedControl:

@@ -68,7 +68,7 @@ while pending or engine.num_active:
 window = gate.report()
 report["gated"] = {
     "preemptions": engine.signals.preemptions - start, "finished": done, "max_in_flight": max_in_flight,
-    "admitted_groups": window["admitted_groups"], "gate_refusals": window["gate_refusals"],
+    "admitted_groups": window.admitted_groups, "gate_refusals": window.gate_refusals,
 }
 with open(sys.argv[1], "w") as f:
     json.dump(report, f)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.modes.rollouts import PromptTokenizer, to_batch
-from reflow.replay.buffer import BufferedSample
+from reflow.types import Sample
 from reflow.rollout.engine import Request, RolloutEngine
 from reflow.rollout.turns import TurnDriver
 from reflow.tasks.base import Problem
@@ -98,7 +98,7 @@ for req in finished.values():
     env_text_ok &= all(tok.decode(gap) == "[ok]" for gap in gaps)
     counts_ok &= req.tool_calls >= len(gaps) and (req.tool_calls == 0 or req.tool_s > 0)
     counts_ok &= req.reward == len(gaps)  # scored by the driver, on its threads
-    samples.append(BufferedSample(
+    samples.append(Sample(
         uid=req.request_id, draw=0, group_id=req.request_id, prompt_ids=req.prompt_ids, output_ids=req.output_ids,
         logprobs=req.logprobs, versions=req.versions, reward=0.0, model_spans=spans,
     ))

@@ -1,0 +1,163 @@
+"""One trainer shard's side of the replay cycle: receive, evict, retire, report readiness, move, plan.
+
+A ``TrainerShard`` owns one replay-buffer shard and the counts the protocol (``docs/decoupled_protocol.md``)
+needs from it. It never talks to another rank: the mode's role loop moves its messages and runs the one
+collective, the readiness exchange, through a ``ReadinessExchange`` (``GlooReadinessExchange`` live; the
+simulator combines its shards' reports in process). So the live run, the simulator and the unit tests drive
+the same object.
+
+  accept_group     a finished group bound to this shard (R4): into the buffer, or retired at once as
+                   evicted if it is already past its bound (cause "arrived_stale")
+  evict_stale      samples past delta are never trained again; an unused one retires as evicted
+  readiness        what the exchange sums: can this shard serve exactly b/A now, its retirements per
+                   rollout worker (the window's R1 counts), and its eligible, needed, urgent and unused
+                   samples (for ``plan_moves`` and the router)
+  donate / expect  this shard's part of the moves ``TrainerView.moves`` computed alike on every rank
+  plan / retire    a batch of exactly b/A (R3: fresh earliest deadline first), then the first uses retire
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reflow.modes.ledger import EVICTION_CAUSES
+from reflow.replay import ReplayBuffer
+from reflow.replay.buffer import BatchPlan
+from reflow.scheduler.routing import Move
+from reflow.types import Sample, ShardReadiness
+
+
+@dataclass
+class ShardWindow:
+    """What reached and left a shard since the previous step (for the step's metrics)."""
+
+    received: int = 0
+    received_tokens: int = 0
+    """Response tokens of what arrived (trained or not: evicted samples count too)."""
+    received_reward: float = 0.0
+    evicted: dict[str, int] = field(default_factory=lambda: {cause: 0 for cause in EVICTION_CAUSES})
+    retired_lengths: list[tuple[int, bool]] = field(default_factory=list)
+    """(response length, trained fresh) of every sample retired."""
+
+
+class TrainerShard:
+    def __init__(self, buffer: ReplayBuffer, index: int, num_rollout: int, batch_per_shard: int, ledger: dict):
+        self.buffer = buffer
+        self.index = index
+        self.batch_per_shard = batch_per_shard
+        self.ledger = ledger
+        self.retired = [0] * num_rollout
+        self.window = ShardWindow()
+        self.awaiting_moved = 0
+        """Eligible samples other shards are sending this one (``plan_moves``)."""
+        self.received_draws: set[int] = set()
+        """Draws delivered to this shard over the run (for the checkpoints' prompt holes)."""
+
+    # ---- arrivals ------------------------------------------------------------------
+
+    def accept_group(self, samples: list[Sample], version: int) -> None:
+        self.ledger["received"].extend(s.uid for s in samples)
+        self.received_draws.update(s.draw for s in samples)
+        self.window.received += len(samples)
+        self.window.received_tokens += sum(len(s.output_ids) for s in samples)
+        self.window.received_reward += sum(s.reward for s in samples)
+        for sample in samples:
+            if self.buffer.is_stale(sample, version):
+                self._evicted_unused(sample, "arrived_stale")
+            else:
+                self.buffer.add([sample])
+
+    def accept_moved(self, samples: list[Sample]) -> None:
+        self.buffer.add(samples)
+        self.awaiting_moved -= len(samples)
+        self.ledger["moved_in"].extend(s.uid for s in samples)
+
+    def accept_handover(self, samples: list[Sample], draws: frozenset[int]) -> None:
+        """A leaving shard's buffer (placement change): its budgets belonged to the placement that ended."""
+        for sample in samples:
+            sample.origin = -1
+        self.buffer.add(samples)
+        self.ledger["handed_in_unused"].extend(s.uid for s in samples if s.use_count == 0)
+        self.received_draws.update(draws)
+
+    def hand_over(self) -> tuple[list[Sample], frozenset[int]]:
+        """This shard leaves: its whole buffer and its draws go to an heir, which answers for them now."""
+        samples = self.buffer.drain()
+        draws = frozenset(self.received_draws)
+        self.received_draws = set()
+        self.ledger["handed_over_unused"].extend(s.uid for s in samples if s.use_count == 0)
+        return samples, draws
+
+    def restart_budgets(self, num_rollout: int) -> None:
+        """A new placement's budgets start afresh: no sample held now counts against one (origin -1)."""
+        for sample in self.buffer.unused + self.buffer.replayable:
+            sample.origin = -1
+        self.retired = [0] * num_rollout
+
+    # ---- retirement ----------------------------------------------------------------
+
+    def evict_stale(self, version: int, cause: str) -> None:
+        for sample in self.buffer.evict_stale(version):
+            if sample.use_count == 0:
+                self._evicted_unused(sample, cause)
+            else:
+                self.ledger["evicted_replayable"] += 1
+
+    def _evicted_unused(self, sample: Sample, cause: str) -> None:
+        self._retire(sample, trained=False)
+        self.ledger["evicted_unused"].append(sample.uid)
+        self.ledger["eviction_causes"][sample.uid] = cause
+        self.window.evicted[cause] += 1
+
+    def _retire(self, sample: Sample, trained: bool) -> None:
+        if 0 <= sample.origin < len(self.retired):
+            self.retired[sample.origin] += 1
+        self.window.retired_lengths.append((len(sample.output_ids), trained))
+
+    # ---- readiness and moves --------------------------------------------------------
+
+    def readiness(self, version: int) -> ShardReadiness:
+        ready = self.buffer.can_serve(self.batch_per_shard, version) and not self.awaiting_moved
+        return ShardReadiness(
+            ready=ready, retired=tuple(self.retired),
+            eligible=self.buffer.num_eligible(version) + self.awaiting_moved,
+            need=self.buffer.need(self.batch_per_shard),
+            urgent=self.buffer.num_urgent(version),
+            unused=self.buffer.num_unused + self.awaiting_moved,
+        )
+
+    def donate(self, moves: list[Move], version: int) -> list[tuple[int, list[Sample]]]:
+        """This shard's part of the moves: (receiving shard, samples) for each it donates to; it expects the
+        ones it receives."""
+        out = []
+        for move in moves:
+            if move.donor == self.index:
+                samples = self.buffer.take_eligible(move.first, move.count, version)
+                self.ledger["moved_out"].extend(s.uid for s in samples)
+                out.append((move.receiver, samples))
+            elif move.receiver == self.index:
+                self.awaiting_moved += move.count
+        return out
+
+    # ---- the step -------------------------------------------------------------------
+
+    def plan(self, version: int) -> BatchPlan:
+        """Exactly b/A: fresh samples earliest deadline first, replayed ones up to sigma (every shard was ready)."""
+        plan = self.buffer.plan_batch(self.batch_per_shard, version)
+        if plan is None or plan.size != self.batch_per_shard:
+            raise RuntimeError(f"trainer shard {self.index} was ready for a batch of {self.batch_per_shard} but cannot serve it")
+        return plan
+
+    def retire_trained(self, plan: BatchPlan) -> None:
+        """After the step: the replay filter takes the consumed samples, first uses retire theirs."""
+        self.buffer.give_back(plan)
+        for sample in plan.fresh:
+            self._retire(sample, trained=True)
+
+    def take_window(self) -> ShardWindow:
+        window, self.window = self.window, ShardWindow()
+        return window
+
+    def leave_at_end(self) -> None:
+        self.ledger["left_unused"].extend(s.uid for s in self.buffer.unused)
+        self.ledger["left_replayable"] = len(self.buffer.replayable)

@@ -1,0 +1,220 @@
+"""The data a decoupled run's roles exchange: the sample, and the typed data-plane messages.
+
+Commands go from trainer rank 0 to the rollout workers on the control plane (``reflow.modes.commands``);
+everything else goes on the data plane as one of these (``DataMessage``), never as a dict:
+
+  GroupDone    rollout worker -> the trainer shard its router chose: a finished, scored group
+  Moved        trainer shard -> trainer shard: eligible samples another shard's batch needs (``plan_moves``)
+  Handover     leaving trainer shard -> its heir at a placement change: its whole buffer, and the draws it
+               had received (for the checkpoints' prompt holes)
+  WorkerStats  rollout worker -> trainer rank 0, about once a second: engine, idle and tool time, the
+               admission gate's window and its load report for the global dispatcher
+  EvalShare    rollout worker -> trainer rank 0: its share of the held-out evaluation of one version
+  Flush        rollout worker -> every trainer shard at a placement change: nothing more follows
+
+and, in the trainer's one collective of its wait loop, each shard's ``ShardReadiness``, combined into the
+``TrainerView`` every trainer rank computes the same moves from.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import Protocol, Sequence
+
+from reflow.scheduler.dispatch import WorkerReport
+from reflow.scheduler.routing import Move, ShardCounts, plan_moves
+
+
+@dataclass
+class Sample:
+    """One finished trajectory: what the trainer needs, plus the replay bookkeeping."""
+
+    uid: str
+    draw: int
+    """Position of its prompt in the run's prompt stream."""
+    group_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    """One per model token (``model_spans``)."""
+    versions: list[int]
+    reward: float
+    finish_reason: str | None = None
+    model_spans: list[list[int]] | None = None
+    """[start, end) ranges of ``output_ids`` the model generated; None: all of them (a single-turn sample).
+    The rest came from the environment (a multi-turn task's tool answers) and is never trained on."""
+    tool_calls: int = 0
+    tool_s: float = 0.0
+    """Seconds the trajectory waited on its environment."""
+    origin: int = -1
+    """Index of the rollout worker whose dispatch budget it counts against (-1: none, as after a resume or a
+    placement change, whose budgets start afresh)."""
+    finish_version: int = -1
+    """Engine version at which its group finished (-1: not recorded, as in checkpoints of older runs; the
+    newest token's version stands in)."""
+    advantage: float = 0.0
+    group_reward_mean: float = 0.0
+    use_count: int = 0
+    inserted_at: float = field(default_factory=time.time)
+
+    @property
+    def birth_version(self) -> int:
+        """Version of the policy that produced the oldest token (min over tokens)."""
+        return min(self.versions) if self.versions else -1
+
+    @property
+    def completed_version(self) -> int:
+        """Version at which its group finished."""
+        if self.finish_version >= 0:
+            return self.finish_version
+        return max(self.versions) if self.versions else -1
+
+    def anchor_version(self, anchor: str) -> int:
+        """The version its staleness counts from: ``finish`` (its group's completion) or ``start`` (its birth)."""
+        if anchor == "finish":
+            return self.completed_version
+        if anchor == "start":
+            return self.birth_version
+        raise ValueError(f"staleness anchor must be 'finish' or 'start', got {anchor!r}")
+
+    def staleness(self, current_version: int, anchor: str = "start") -> int:
+        return current_version - self.anchor_version(anchor)
+
+    def head_lag(self, current_version: int) -> int:
+        """How many versions its oldest token is behind ``current_version``."""
+        return current_version - self.birth_version
+
+
+@dataclass(frozen=True)
+class GroupDone:
+    samples: list[Sample]
+
+
+@dataclass(frozen=True)
+class Moved:
+    samples: list[Sample]
+
+
+@dataclass(frozen=True)
+class Handover:
+    samples: list[Sample]
+    draws: frozenset[int]
+
+
+@dataclass(frozen=True)
+class EvalShare:
+    version: int
+    reward_sum: float
+    count: int
+
+
+@dataclass(frozen=True)
+class Flush:
+    pass
+
+
+@dataclass
+class WorkerStats:
+    """A rollout worker's window (since its previous report). ``a + b`` is the two windows together: the
+    counts and seconds add up, the cap and the load report are the later window's."""
+
+    busy_s: float = 0.0
+    """Engine time, less the time the turn driver waited on tools inside a step."""
+    idle_s: float = 0.0
+    """Nothing in flight: waiting for a command."""
+    tool_wait_s: float = 0.0
+    """An empty engine with trajectories waiting on their environment (working time, not idle)."""
+    engine_steps: int = 0
+    step_sequences: int = 0
+    """Sequences summed over the engine steps (mean in flight = step_sequences / engine_steps)."""
+    prefilled_tokens: int = 0
+    """Prompt and prefix tokens the engine prefilled: new requests, and held ones again after a sync."""
+    preemptions: int = 0
+    admitted_groups: int = 0
+    gate_refusals: int = 0
+    kv_usage_sum: float = 0.0
+    """KV usage summed over the engine steps."""
+    cap: int | None = None
+    cap_changes: tuple[tuple[str, int, int], ...] = ()
+    """(reason, previous cap, new cap) of every change the concurrency controller made."""
+    load: WorkerReport | None = None
+    """What the global dispatcher weighs (scheduler.kv_admission), else None."""
+
+    SUMMED = (
+        "busy_s", "idle_s", "tool_wait_s", "engine_steps", "step_sequences", "prefilled_tokens", "preemptions",
+        "admitted_groups", "gate_refusals", "kv_usage_sum",
+    )
+
+    def __add__(self, later: "WorkerStats") -> "WorkerStats":
+        summed = {name: getattr(self, name) + getattr(later, name) for name in self.SUMMED}
+        return WorkerStats(
+            **summed, cap=later.cap if later.cap is not None else self.cap,
+            cap_changes=self.cap_changes + later.cap_changes, load=later.load if later.load is not None else self.load,
+        )
+
+    @property
+    def working_s(self) -> float:
+        return self.busy_s + self.tool_wait_s
+
+    @property
+    def kv_usage_mean(self) -> float:
+        return self.kv_usage_sum / self.engine_steps if self.engine_steps else 0.0
+
+
+assert set(WorkerStats.SUMMED) <= {f.name for f in fields(WorkerStats)}
+
+@dataclass(frozen=True)
+class ShardReadiness:
+    """One shard's report to the readiness exchange."""
+
+    ready: bool
+    """It can serve a batch of exactly b/A now and awaits no moved sample."""
+    retired: tuple[int, ...]
+    """Samples retired (trained for the first time, or evicted unused), per rollout worker, since its budgets
+    started."""
+    eligible: int
+    """Unused samples it could train now, those on their way to it included."""
+    need: int
+    """Fresh samples its next batch needs."""
+    urgent: int
+    """Eligible samples at the last version their bound allows."""
+    unused: int
+    """Unused samples it holds or awaits (what the router balances)."""
+
+
+@dataclass(frozen=True)
+class TrainerView:
+    """Every shard's readiness, combined: the same on every trainer rank."""
+
+    all_ready: bool
+    retired: tuple[int, ...]
+    """Per rollout worker, summed over the shards."""
+    eligible: tuple[int, ...]
+    need: tuple[int, ...]
+    urgent: tuple[int, ...]
+    unused: tuple[int, ...]
+
+    @classmethod
+    def combine(cls, reports: Sequence[ShardReadiness]) -> "TrainerView":
+        return cls(
+            all_ready=all(r.ready for r in reports),
+            retired=tuple(sum(column) for column in zip(*(r.retired for r in reports))),
+            eligible=tuple(r.eligible for r in reports),
+            need=tuple(r.need for r in reports),
+            urgent=tuple(r.urgent for r in reports),
+            unused=tuple(r.unused for r in reports),
+        )
+
+    def moves(self, batch_per_shard: int) -> list[Move]:
+        """``plan_moves`` of these counts (R4's surplus for short shards, then what is due and cannot be taken)."""
+        return plan_moves([ShardCounts(e, n, u, batch_per_shard) for e, n, u in zip(self.eligible, self.need, self.urgent)])
+
+
+class ReadinessExchange(Protocol):
+    """The one collective of the trainer's wait loop: every shard's readiness to every shard."""
+
+    def exchange(self, mine: ShardReadiness) -> TrainerView: ...
+
+
+DataMessage = GroupDone | Moved | Handover | WorkerStats | EvalShare | Flush
