@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from reflow.scheduler.dispatch import WorkerReport
+
+if TYPE_CHECKING:
+    from reflow.rollout.engine import Request
 from reflow.scheduler.routing import Move, ShardCounts, plan_moves
 
 
@@ -100,6 +103,21 @@ class Moved:
 class Handover:
     samples: list[Sample]
     draws: frozenset[int]
+
+
+@dataclass
+class HeldGroup:
+    """A group in flight at a placement change (a partial rollout): its requests stopped with their prefix
+    (prompt, output ids, log-probs, per-token versions), and its members that had already finished. The
+    placement change hands it to a rollout worker of the new placement, which resumes it."""
+
+    group_id: str
+    held: list["Request"]
+    finished: list["Request"]
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [req.request_id for req in self.held + self.finished]
 
 
 @dataclass(frozen=True)

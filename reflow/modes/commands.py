@@ -32,8 +32,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class Transition:
-    """The placement changes to ``replicas`` trainer replicas after this step: finish what is in flight, send
-    it, and join the transition (``reflow.modes.transition``)."""
+    """The placement changes to ``replicas`` trainer replicas after this step: hold what is in flight as partial
+    rollouts and join the transition (``reflow.modes.transition``), which hands them to the new placement."""
 
     replicas: int
 

@@ -43,7 +43,7 @@ from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.rollout.tensor_parallel import EngineMirror, follow
 from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
 from reflow.trainer.batch import mask_stale_tokens
-from reflow.types import EvalShare, Flush, GroupDone, Handover, Moved, WorkerStats
+from reflow.types import EvalShare, Flush, GroupDone, Handover, HeldGroup, Moved, WorkerStats
 
 
 def survival_by_decile(retired: list[tuple[int, bool]]) -> list[float]:
@@ -87,6 +87,7 @@ class DecoupledMode(ModeBase):
         self.prompt_holes: list[int] = []
         self.change_to: int | None = None
         self.flushed: set[int] = set()  # rollout workers whose FLUSH arrived (placement changes)
+        self.carried: list[HeldGroup] = []  # partial rollouts across a placement change: held, then to resume
         self.mirror = self._engine_mirror()
         self.enter(parts.placement)
         if self.is_trainer and not parts.placement.is_rollout(parts.rank):
@@ -357,7 +358,7 @@ class DecoupledMode(ModeBase):
         )
         return RolloutWorker(
             parts, self.weight_sync, self.control, self.outbox, budget, self.stream, self.shares[index], index,
-            self.trainer_ranks, len(self.rollout_workers), evaluate_first=self._evaluates_start,
+            self.trainer_ranks, len(self.rollout_workers), evaluate_first=self._evaluates_start, carried=self.carried,
         )
 
     @property
@@ -406,6 +407,7 @@ class DecoupledMode(ModeBase):
                 else:
                     worker = self._rollout_worker()
                     command = worker.run()
+                    self.carried = worker.carried_out
                     merge_rollout_ledger(self.ledger, worker.ledger)
                 target = command.replicas if isinstance(command, Transition) else None
             if target is None:

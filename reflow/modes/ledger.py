@@ -8,7 +8,8 @@ had over the run: a rank that generated and then trained has both sides' entries
                 moved_in (between shards), handed_over_unused and handed_in_unused (placement changes),
                 left_unused and left_replayable (at the end), restored (from a checkpoint), transitions
   rollout side  started, sent (uid, destination rank, admission and finish times, response length, finish
-                version), dropped_at_stop
+                version), dropped_at_stop, handed_out and handed_in (request ids of the partial rollouts a
+                placement change moved from one rollout worker to another, or kept on the same one)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ EVICTION_CAUSES = ("arrived_stale", "aged", "at_sync")
 """Why an unused sample was evicted: it was already past its bound when it arrived; it aged past it in the
 buffer while the trainer waited or stepped; or it was found past it at a weight sync."""
 
-ROLLOUT_KEYS = ("started", "sent", "dropped_at_stop")
+ROLLOUT_KEYS = ("started", "sent", "dropped_at_stop", "handed_in", "handed_out")
 
 
 def new_ledger() -> dict:

@@ -7,6 +7,9 @@
                             Progress        hand the trainer's counts (and, with the global dispatcher,
                                             this rank's grants) to the dispatch budget, and the shards'
                                             unused counts to the router
+                            Transition(n)   hold what is in flight as partial rollouts (``HeldGroup``) and
+                                            leave: the placement change hands them to the new placement's
+                                            rollout workers, which resume them first
                             Stop            drop what is in flight and leave
           2. admit        whole groups, while the dispatch budget has room and the admission gate lets the
                           next one in (``reflow.rollout.admission``: the concurrency cap, and with
@@ -40,7 +43,7 @@ from reflow.rollout.engine import Request, RolloutEngine
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget
 from reflow.scheduler.routing import ShardRouter
-from reflow.types import EvalShare, GroupDone, WorkerStats
+from reflow.types import EvalShare, GroupDone, HeldGroup, WorkerStats
 from reflow.modes.prompts import PromptShare, PromptStream
 from reflow.tasks.base import Task
 
@@ -67,8 +70,10 @@ class GroupAssembler:
         del self.partial[req.meta["group"]]
         samples = score(members, self.task, self.tokenizer)
         assign_advantages(samples, self.normalize_std, self.eps)
+        # a group handed over at a placement change counts against no budget of the new placement (R1)
+        origin = -1 if any(member.meta.get("carried") for member in members) else self.origin
         for sample in samples:
-            sample.origin = self.origin
+            sample.origin = origin
             sample.finish_version = version
         return samples
 
@@ -93,6 +98,7 @@ class RolloutWorker:
         trainer_ranks: list[int],
         num_rollout: int,
         evaluate_first: bool = False,
+        carried: list[HeldGroup] | None = None,
     ):
         cfg = parts.cfg
         self.cfg = cfg
@@ -119,9 +125,14 @@ class RolloutWorker:
         self.commands: deque = deque()
         self.evaluate_first = evaluate_first
         """Evaluate the engine's policy before generating anything (a new run's starting policy)."""
-        self.ledger: dict = {"started": [], "sent": [], "dropped_at_stop": []}
+        self.carried_in = list(carried or [])
+        """Partial rollouts of the previous placement this worker resumes before anything else."""
+        self.carried_out: list[HeldGroup] = []
+        """What it held when a placement change ended it (``run`` returned Transition)."""
+        self.ledger: dict = {"started": [], "sent": [], "dropped_at_stop": [], "handed_in": [], "handed_out": []}
 
     def run(self):
+        self._resume_carried()
         if self.evaluate_first:
             self._evaluate(self.engine.version)
         while True:
@@ -135,7 +146,7 @@ class RolloutWorker:
                     self._tell_followers("leave", command)
                     return command
                 if isinstance(command, Transition):
-                    self._finish_in_flight()
+                    self.carried_out = self._hold_for_transition()
                     self._tell_followers("leave", command)
                     return command
                 if isinstance(command, SyncWeights):
@@ -172,14 +183,50 @@ class RolloutWorker:
         self.stats.busy_s += elapsed - waited
         self.stats.tool_wait_s += waited
 
-    def _finish_in_flight(self) -> None:
-        """A placement change: generate every admitted request to its end and send its group (never dropped)."""
+    def _hold_for_transition(self) -> list[HeldGroup]:
+        """A placement change: hold everything in flight as partial rollouts, to hand to the new placement's
+        rollout workers (the change costs its mechanism, not a drain of the longest answers).
+
+          1. step until every admitted request has its first token (I1, as before a weight sync)
+          2. hold the engine's requests with their prefix
+          3. trajectories at their environment (a tool call, or scoring) come back within its time limit: step
+             until none is left there, holding each one that re-enters the engine
+          4. every group with a held request, with its members that already finished"""
         t0 = time.perf_counter()
-        while self.turns.num_active:
-            self._step()
+        sequences = self.engine.num_active
+        started = self.turns.step_until_started()
+        self.gate.after_step([len(req.output_ids) for req in started], sequences)
+        for req in started:
+            self._finished(req)
+        held = self.turns.hold_all()
+        while self.turns.num_waiting_on_tools or self.turns.scoring:
+            for req in self.turns.step():
+                self._finished(req)
+            held += self.turns.hold_all()
         self._count_busy(time.perf_counter() - t0)
-        assert not self.groups.waiting_ids(), "a group's requests always finish together here"
+        groups: dict[str, HeldGroup] = {}
+        for req in held:
+            group = req.meta["group"]
+            groups.setdefault(group, HeldGroup(group, [], self.groups.partial.pop(group, [])))
+            groups[group].held.append(req)
+        assert not self.groups.partial, "a group's unfinished members are all held"
+        carried = list(groups.values())
+        self.ledger["handed_out"] += [rid for group in carried for rid in group.request_ids]
         self._report()
+        return carried
+
+    def _resume_carried(self) -> None:
+        """The partial rollouts handed to this worker: back into the engine with their prefix (prefilled again),
+        their finished members back with the group assembler; they count against no budget (origin -1)."""
+        for group in self.carried_in:
+            for req in group.held + group.finished:
+                req.meta["carried"] = True
+            if group.finished:
+                self.groups.partial[group.group_id] = list(group.finished)
+            self.stats.prefilled_tokens += sum(len(req.prompt_ids) + len(req.output_ids) for req in group.held)
+            self.turns.resume(group.held)
+            self.ledger["handed_in"] += group.request_ids
+        self.carried_in = []
 
     def _sync(self, version: int) -> None:
         t0 = time.perf_counter()

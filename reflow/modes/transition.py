@@ -1,15 +1,17 @@
 """A placement change of a decoupled run, on every rank after the step it follows (a sync point, where the
-trainer ranks left their loop and rank 0 sent every rollout worker ``Transition``; the rollout workers have
-finished and sent everything in flight). Why it cannot deadlock: ``docs/decoupled_protocol.md``, "Placement
-changes".
+trainer ranks left their loop and rank 0 sent every rollout worker ``Transition``; the rollout workers hold
+what they had in flight as partial rollouts, ``HeldGroup``). Why it cannot deadlock:
+``docs/decoupled_protocol.md``, "Placement changes".
 
   1. rollout workers send FLUSH to every trainer rank; trainer ranks drain until they have FLUSH from every
      rollout worker, so each shard holds every sample addressed to it, and until every move has arrived
   2. the trainer resizes (staying ranks keep their shards, joining ranks receive theirs)
   3. leaving trainer shards hand their buffer to the staying shard of index (their index mod A'); nothing
      else can reach them: every group sent before the change arrived before FLUSH
-  4. every rank learns the trainer's clock and how far each rollout worker drew the prompt stream, and takes
-     up the new placement's roles (prompt shares dealt without a gap, shards, budgets)
+  4. every rank learns the trainer's clock, how far each rollout worker drew the prompt stream and what it
+     holds, and takes up the new placement's roles (prompt shares dealt without a gap, shards, budgets); the
+     held groups are dealt by ``deal_groups``: a staying worker keeps its own, a leaving worker's go to the
+     new workers holding the fewest sequences
   5. the new placement's weight sync puts the current weights into every engine that now generates
 """
 
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from reflow.distributed.placement import build_placement
+from reflow.scheduler.routing import deal_groups
 from reflow.types import Flush, Handover
 
 if TYPE_CHECKING:
@@ -58,10 +61,16 @@ def change_placement(mode: "DecoupledMode", replicas: int) -> dict:
     clock = torch.tensor([mode.step, mode.version, mode.steps_done, mode._drawn], dtype=torch.long)
     dist.broadcast(clock, src=0)  # rank 0 trains in every placement
     mode.step, mode.version, mode.steps_done, mode._drawn = (int(x) for x in clock.tolist())
-    mine = mode.shares[mode.rollout_workers.index(mode.rank)] if mode.rank in mode.rollout_workers else None
+    mine = (mode.shares[mode.rollout_workers.index(mode.rank)], mode.carried) if mode.rank in mode.rollout_workers else None
     gathered = [None] * old.world_size
     dist.all_gather_object(gathered, mine)
-    mode.shares = [gathered[rank] for rank in mode.rollout_workers]
+    mode.shares = [gathered[rank][0] for rank in mode.rollout_workers]
+    held = [gathered[rank][1] for rank in old.rollout_workers]
+    stays = [new.rollout_workers.index(rank) if rank in new.rollout_workers else None for rank in old.rollout_workers]
+    dealt = deal_groups([[len(group.held) for group in groups] for groups in held], stays, len(new.rollout_workers))
+    mode.carried = []
+    if mode.rank in new.rollout_workers:
+        mode.carried = [held[worker][k] for worker, k in dealt[new.rollout_workers.index(mode.rank)]]
     mode.enter(new)  # (the budgets start afresh: no sample a shard holds counts against one of the old placement's)
     # 5. weights into every engine that generates now (an engine that was asleep wakes in load_weights)
     mode.weight_sync.sync(parts.trainer if mode.is_trainer else None, parts.engine, mode.version)

@@ -36,14 +36,17 @@ def _run(tmp_path, nproc, mode, rollout_ranks, extra=()):
 
 
 def assert_no_sample_lost_or_duplicated(rows, ledgers):
-    """Every request a rank started was sent, or was unfinished at the stop; every group sent reaches the shard
+    """Every request a rank started (or resumed, handed over at a placement change) was sent, handed over, or was
+    unfinished at the stop; every partial rollout handed over was resumed once; every group sent reaches the shard
     it was bound to when it finished, once; a sample moved between shards leaves one and reaches the other; a
     shard that leaves the trainer pool hands each unused sample to one staying shard; and every sample sent (or restored unused from a checkpoint) is trained fresh exactly once, evicted
     unused, or still unused at the end.
     The metrics count exactly the samples consumed. (Every rank's ledger covers all the roles it had.)"""
-    for led in ledgers:
-        accounted = [e["uid"] for e in led["sent"]] + led["dropped_at_stop"]
-        assert collections.Counter(accounted) == collections.Counter(led["started"]), led["rank"]
+    for led in ledgers:  # a partial rollout handed over at a placement change is sent by the worker that resumed it
+        accounted = [e["uid"] for e in led["sent"]] + led["dropped_at_stop"] + led["handed_out"]
+        assert collections.Counter(accounted) == collections.Counter(led["started"] + led["handed_in"]), led["rank"]
+    handed_out = collections.Counter(u for led in ledgers for u in led["handed_out"])
+    assert handed_out == collections.Counter(u for led in ledgers for u in led["handed_in"])
     sent = [e["uid"] for led in ledgers for e in led["sent"]]
     assert sent and len(set(sent)) == len(sent)
     received = [u for led in ledgers for u in led["received"]]

@@ -15,7 +15,7 @@ from reflow.types import Sample
 from reflow.scheduler import DispatchBudget, DispatchRule, share_groups
 from reflow.scheduler.concurrency import WorkerLoad
 from reflow.scheduler.dispatch import GroupDispatcher, WorkerReport
-from reflow.scheduler.routing import Move, ShardCounts, ShardRouter, plan_moves
+from reflow.scheduler.routing import Move, ShardCounts, ShardRouter, deal_groups, plan_moves
 
 
 @pytest.mark.parametrize("total,num_rollout", [(8, 1), (8, 2), (3, 3), (7, 3), (16, 4), (5, 2)])
@@ -431,3 +431,18 @@ def test_moves_make_every_shard_ready_when_the_total_suffices(pairs):
         assert a >= min(c.eligible, c.need)  # a donor keeps what it needs
     if sum(c.eligible for c in counts) >= sum(c.need for c in counts):
         assert all(a >= c.need for c, a in zip(counts, after))
+
+
+def test_a_placement_change_deals_held_groups_to_the_least_loaded_workers():
+    """Old workers 0 and 2 stay (as new workers 1 and 0); old worker 1 leaves: each of its groups goes to the
+    new worker holding the fewest sequences, ties to the lowest index; nothing is lost or dealt twice."""
+    held = [[4, 4], [4, 2, 4], [4]]
+    dealt = deal_groups(held, stays=[1, None, 0], num_new=2)
+    assert dealt[1][:2] == [(0, 0), (0, 1)] and dealt[0][:1] == [(2, 0)]  # a staying worker keeps its own, first
+    # loads start at 4 (new 0) and 8 (new 1): the 4 -> new 0 (8); the 2 -> new 0 (tied at 8: the lower index,
+    # 10); the last 4 -> new 1 (12)
+    assert dealt[0][1:] == [(1, 0), (1, 1)] and dealt[1][2:] == [(1, 2)]
+    everything = sorted(pair for worker in dealt for pair in worker)
+    assert everything == sorted((w, k) for w, groups in enumerate(held) for k in range(len(groups)))
+    with pytest.raises(ValueError, match="no rollout worker"):
+        deal_groups([[4]], stays=[None], num_new=0)
