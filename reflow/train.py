@@ -141,8 +141,8 @@ def build_components(
     from reflow.distributed import build_trainer_layouts, init_distributed
     from reflow.metrics import MetricsLogger
     from reflow.modes.base import Components
-    from reflow.modes.rollouts import PromptTokenizer
     from reflow.rollout.engine import RolloutEngine
+    from reflow.rollout.tokenizer import PromptTokenizer
     from reflow.rollout.turns import TurnDriver
     from reflow.tasks import build_task
     from reflow.trainer.policy import PolicyTrainer
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     pin_local_gpu(cfg.rollout.tensor_parallel_degree)
     import torch.distributed as dist
 
-    from reflow.modes import MODES
+    from reflow.modes.registry import MODES
 
     parts = build_components(cfg, recipe, placement, schedule, warnings, problems)
     mode = MODES[cfg.training.mode](parts)

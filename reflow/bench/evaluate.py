@@ -19,8 +19,10 @@ import sys
 def evaluate(config: str, hf_dir: str, num_prompts: int, samples: int, seed: int) -> dict:
     from reflow.config import ConfigManager
     from reflow.model.recipe import load_recipe, resolve_path
-    from reflow.modes.rollouts import PromptTokenizer, make_group_requests, score
     from reflow.rollout.engine import RolloutEngine
+    from reflow.rollout.groups import make_group_requests
+    from reflow.rollout.scoring import score
+    from reflow.rollout.tokenizer import PromptTokenizer
     from reflow.rollout.turns import TurnDriver
     from reflow.tasks import build_task, load_problems
 

@@ -90,7 +90,7 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
             "use 1.0 or set training.is_truncation = 0",
         )
     if t.mode != "sync" and cfg.metrics.eval_interval > 0:
-        from reflow.modes.settings import resolve_settings
+        from reflow.config.mode_settings import resolve_settings
 
         interval = resolve_settings(cfg).interval
         if cfg.metrics.eval_interval % interval:
@@ -238,7 +238,7 @@ def parse_schedule(cfg: JobConfig, placement, where=lambda key: "default") -> li
 
 def _validate_decoupled(cfg: JobConfig, placement, where) -> None:
     """The decoupled modes' dispatch rule must be able to feed every trainer shard and every rollout rank."""
-    from reflow.modes.settings import resolve_settings
+    from reflow.config.mode_settings import resolve_settings
     from reflow.scheduler import share_groups
 
     mode, training = cfg.training.mode, cfg.training

@@ -16,9 +16,15 @@ replay its engine calls (``reflow.rollout.tensor_parallel``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
-from dataclasses import dataclass
+
+def placement_name(replicas: int, shard_degree: int, rollout_ranks: int, rollout_tp: int = 1) -> str:
+    """The one spelling of a placement, live and simulated: trainer replicas x shard degree, plus rollout ranks
+    ("T2x1+R2"), or rollout engines x their tensor-parallel degree ("T2x1+R1x2")."""
+    rollout = f"{rollout_ranks // rollout_tp}x{rollout_tp}" if rollout_tp > 1 else str(rollout_ranks)
+    return f"T{replicas}x{shard_degree}+R{rollout}"
 
 
 @dataclass(frozen=True)
@@ -68,8 +74,7 @@ class Placement:
     def name(self) -> str:
         """Short form: trainer replicas x shard degree, plus rollout ranks ("T2x1+R2"), or rollout engines x
         their tensor-parallel degree ("T2x1+R1x2")."""
-        rollout = f"{self.num_rollout_ranks // self.rollout_tp}x{self.rollout_tp}" if self.rollout_tp > 1 else str(self.num_rollout_ranks)
-        return f"T{self.replicate_degree}x{self.shard_degree}+R{rollout}"
+        return placement_name(self.replicate_degree, self.shard_degree, self.num_rollout_ranks, self.rollout_tp)
 
     def describe(self) -> str:
         roll = "colocated" if self.colocated else f"{self.num_rollout_ranks} rollout ranks {self.rollout_ranks}"

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-
 logger = logging.getLogger("reflow")
 
 

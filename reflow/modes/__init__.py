@@ -1,13 +1,2 @@
-"""Training modes. ``training.mode`` picks one from this explicit dict."""
-
-from reflow.modes.decoupled import DecoupledMode
-from reflow.modes.sync import SyncMode
-
-MODES = {
-    "sync": SyncMode,
-    "one_step_off": DecoupledMode,
-    "async": DecoupledMode,
-    "reflow": DecoupledMode,
-}
-
-__all__ = ["MODES", "DecoupledMode", "SyncMode"]
+"""Training modes (``reflow.modes.registry.MODES`` by name). The package imports nothing itself: the simulator
+and the unit tests use its roles (``trainer_shard``, ``leader``, ``commands``) without the live stack."""

@@ -13,12 +13,15 @@ from reflow.checkpoint import CheckpointManager
 from reflow.config.job_config import JobConfig
 from reflow.distributed.placement import Placement
 from reflow.metrics.logger import MetricsLogger
-from reflow.modes.rollouts import PromptTokenizer, Sample, evaluate_share
+from reflow.modes.prompts import PromptStream
 from reflow.rollout.engine import RolloutEngine
+from reflow.rollout.groups import evaluate_share
+from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.rollout.turns import TurnDriver
 from reflow.stopping import NonFiniteGuard, StopSignals
-from reflow.tasks.base import Problem, Task, iterate_epochs
+from reflow.tasks.base import Problem, Task
 from reflow.trainer.policy import PolicyTrainer, StepStats
+from reflow.types import Sample
 from reflow.weight_sync.broadcast import WeightSync
 
 
@@ -88,7 +91,9 @@ class ModeBase:
         self.parts = parts
         self.version = 0
         self.step = 0
-        self._stream = iterate_epochs(parts.train_problems, parts.cfg.job.seed, parts.cfg.task.shuffle)
+        self.stream = PromptStream(parts.train_problems, parts.cfg.job.seed, parts.cfg.task.shuffle)
+        """The run's prompt stream, one for every mode: sync draws from its front, decoupled rollout workers by
+        draw index (``reflow.modes.prompts``)."""
         self._drawn = 0
         self._train_start: float | None = None
         self.finished = False
@@ -105,13 +110,11 @@ class ModeBase:
 
     def next_prompts(self, n: int) -> list[tuple[int, Problem]]:
         """The next n prompts of the run's stream, each with its draw index (unique across the run)."""
-        out = [(self._drawn + i, next(self._stream)) for i in range(n)]
+        out = [(self._drawn + i, self.stream.problem_at(self._drawn + i)) for i in range(n)]
         self._drawn += n
         return out
 
     def _skip_prompts(self, n: int) -> None:
-        for _ in range(n):
-            next(self._stream)
         self._drawn += n
 
     # ---- the loop -------------------------------------------------------------

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from reflow.scheduler.dispatch import DispatchBudget
+from reflow.scheduler.routing import ShardRouter
+
 
 @dataclass(frozen=True)
 class SyncWeights:
@@ -44,3 +47,12 @@ class Stop:
 
 
 Command = SyncWeights | Progress | Transition | Stop
+
+
+def apply_progress(progress: Progress, budget: DispatchBudget, router: ShardRouter) -> None:
+    """A Progress word: the trainer's counts (and the grants, with the global dispatcher) to the dispatch
+    budget, the shards' unused counts to the router. Cumulative counts: a late or repeated word is harmless."""
+    budget.update(progress.steps_done, progress.retired)
+    if progress.granted is not None:
+        budget.grant(progress.granted)
+    router.update(progress.shard_unused)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from reflow.algorithms.grpo import replay_gradient_share
+from reflow.config.mode_settings import resolve_settings
 from reflow.dataplane import ControlChannel, Inbox, Outbox
 from reflow.dataplane.collectives import GlooReadinessExchange, reduce_stats
 from reflow.dataplane.transport import DATA
@@ -32,17 +33,15 @@ from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.modes.commands import Stop, SyncWeights, Transition
 from reflow.modes.leader import Leader
 from reflow.modes.ledger import EVICTION_CAUSES, merge_rollout_ledger, new_ledger, write_ledger
-from reflow.modes.prompts import PromptStream, initial_shares, reassign
+from reflow.modes.prompts import initial_shares, reassign
 from reflow.modes.resume import restored_share, shard_files, stream_position
 from reflow.modes.rollout_worker import RolloutWorker
-from reflow.modes.rollouts import to_batch
-from reflow.modes.settings import resolve_settings
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.modes.transition import change_placement
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.rollout.tensor_parallel import EngineMirror, follow
 from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
-from reflow.trainer.batch import mask_stale_tokens
+from reflow.trainer.batch import mask_stale_tokens, to_batch
 from reflow.types import EvalShare, Flush, GroupDone, Handover, HeldGroup, Moved, WorkerStats
 
 
@@ -66,7 +65,6 @@ class DecoupledMode(ModeBase):
         self.staleness_anchor = self.settings.anchor
         self.evaluates_in_loop = False  # the rollout workers evaluate at weight syncs (``RolloutWorker._evaluate``)
         self.rank = parts.rank
-        self.stream = PromptStream(parts.train_problems, cfg.job.seed, cfg.task.shuffle)
         # planes: created by every rank at the same point (new_group is collective). Any rank may train or
         # generate over the run, so every rank can send and receive data; commands go from rank 0 (which
         # trains in every placement) to any other rank.

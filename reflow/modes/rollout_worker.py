@@ -36,16 +36,18 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from reflow.dataplane import ControlChannel, Outbox
-from reflow.modes.commands import Progress, Stop, SyncWeights, Transition
-from reflow.modes.rollouts import PromptTokenizer, Sample, assign_advantages, evaluate_share, make_group_requests, score
+from reflow.modes.commands import Progress, Stop, SyncWeights, Transition, apply_progress
+from reflow.modes.prompts import PromptShare, PromptStream
 from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.engine import Request, RolloutEngine
+from reflow.rollout.groups import evaluate_share, make_group_requests
+from reflow.rollout.scoring import assign_advantages, score
+from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget
 from reflow.scheduler.routing import ShardRouter
-from reflow.types import EvalShare, GroupDone, HeldGroup, WorkerStats
-from reflow.modes.prompts import PromptShare, PromptStream
 from reflow.tasks.base import Task
+from reflow.types import EvalShare, GroupDone, HeldGroup, Sample, WorkerStats
 
 if TYPE_CHECKING:
     from reflow.modes.base import Components
@@ -314,11 +316,3 @@ class RolloutWorker:
         self.stats = WorkerStats()
         self.last_report = time.time()
 
-
-def apply_progress(progress: Progress, budget: DispatchBudget, router: ShardRouter) -> None:
-    """A Progress word: the trainer's counts (and the grants, with the global dispatcher) to the dispatch
-    budget, the shards' unused counts to the router. Cumulative counts: a late or repeated word is harmless."""
-    budget.update(progress.steps_done, progress.retired)
-    if progress.granted is not None:
-        budget.grant(progress.granted)
-    router.update(progress.shard_unused)

@@ -18,7 +18,9 @@ exactly the inefficiency the ``reflow`` mode removes.
 from __future__ import annotations
 
 from reflow.modes.base import Components, ModeBase, StepTimer
-from reflow.modes.rollouts import assign_advantages, make_group_requests, score, to_batch
+from reflow.rollout.groups import make_group_requests
+from reflow.rollout.scoring import assign_advantages, score
+from reflow.trainer.batch import to_batch
 
 
 class SyncMode(ModeBase):

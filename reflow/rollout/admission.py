@@ -19,13 +19,10 @@ admission attempt the gate turned down: a group waits on it, and the worker retr
 from __future__ import annotations
 
 import time
-
-from reflow.config.job_config import JobConfig
 from typing import TYPE_CHECKING
 
+from reflow.config.job_config import JobConfig
 from reflow.rollout.engine import RolloutEngine
-from reflow.scheduler.dispatch import WorkerReport
-from reflow.types import WorkerStats
 from reflow.scheduler.concurrency import (
     AdmissionRule,
     CapDecision,
@@ -35,6 +32,8 @@ from reflow.scheduler.concurrency import (
     ResponseLengths,
     groups_in_flight,
 )
+from reflow.scheduler.dispatch import WorkerReport
+from reflow.types import WorkerStats
 
 if TYPE_CHECKING:
     from reflow.rollout.turns import TurnDriver

@@ -32,10 +32,11 @@ import time
 from typing import TYPE_CHECKING, Iterable
 
 from reflow.rollout.engine import Request, RolloutEngine
+from reflow.rollout.scoring import trajectory_reward
 from reflow.tasks.base import Task
 
 if TYPE_CHECKING:
-    from reflow.modes.rollouts import PromptTokenizer
+    from reflow.rollout.tokenizer import PromptTokenizer
 
 
 class TurnDriver:
@@ -137,15 +138,15 @@ class TurnDriver:
             self._finish(req, finished)
 
     def _finish(self, req: Request, finished: list[Request]) -> None:
-        """A multi-turn trajectory is scored on the pool first; a single-turn one is the caller's to score."""
+        """A multi-turn trajectory is scored on the pool first (a tool-using reward may run code); a single-turn
+        one is the caller's to score (``reflow.rollout.scoring.score``, through the same reward path)."""
         if self.environment is None:
             finished.append(req)
             return
-        transcript = self.tokenizer.decode(req.output_ids)
-        self.scoring[self.pool.submit(self._score, req, transcript)] = req
+        self.scoring[self.pool.submit(self._score, req)] = req
 
-    def _score(self, req: Request, transcript: str) -> None:
-        req.reward = self.task.reward(req.meta["problem"], transcript)
+    def _score(self, req: Request) -> None:
+        req.reward = trajectory_reward(self.task, self.tokenizer, req)
 
     def _calls_tool(self, req: Request) -> bool:
         env = self.environment

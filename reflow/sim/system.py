@@ -32,16 +32,14 @@ import random
 from dataclasses import dataclass, field
 
 from reflow.config.job_config import JobConfig
-from reflow.modes.settings import resolve_settings
-from reflow.modes.commands import Command, Progress
+from reflow.config.mode_settings import resolve_settings
+from reflow.distributed.placement import placement_name
+from reflow.modes.commands import Command, Progress, apply_progress
 from reflow.modes.leader import Leader
 from reflow.modes.ledger import new_ledger
-from reflow.modes.rollout_worker import apply_progress
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
-from reflow.scheduler.dispatch import WorkerReport
-from reflow.scheduler.routing import ShardRouter, deal_groups
 from reflow.scheduler.concurrency import (
     AdmissionRule,
     ConcurrencyController,
@@ -50,6 +48,8 @@ from reflow.scheduler.concurrency import (
     ResponseLengths,
     groups_in_flight,
 )
+from reflow.scheduler.dispatch import WorkerReport
+from reflow.scheduler.routing import ShardRouter, deal_groups
 from reflow.sim.engine import SimEngine, SimSequence
 from reflow.sim.profiles import CostProfile
 from reflow.sim.workload import Workload
@@ -233,7 +233,7 @@ class DecoupledSim:
 
     @property
     def placement(self) -> str:
-        return f"T{self.replicas}x{self.cfg.shard_degree}+R{len(self.rollouts)}"
+        return placement_name(self.replicas, self.cfg.shard_degree, len(self.rollouts))
 
     def _new_shard(self, index: int, num_rollout: int, batch_per_shard: int) -> TrainerShard:
         buffer = ReplayBuffer(
@@ -560,7 +560,7 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
             step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(tokens),
             received=cfg.batch, fresh=cfg.batch, replayed=0,
             rollout_busy_s=sum(e.busy_s for e in engines) - busy0, rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
-            placement=f"T1x{cfg.gpus}+R0",
+            placement=placement_name(1, cfg.gpus, 0),
         ))
     return summarize(records, cfg.warmup_steps, [])
 

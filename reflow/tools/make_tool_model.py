@@ -34,9 +34,9 @@ import time
 
 import torch
 
+from reflow.tasks.base import with_instructions
 from reflow.tasks.calculator import ChainSumCalculatorTask, evaluate
 from reflow.tasks.chain_sum import ChainSumBoxedTask, ChainSumSpec, generate, write_jsonl
-from reflow.tasks.base import with_instructions
 from reflow.tasks.coding import TestReport, failure_line, feedback
 from reflow.tools.make_tiny_assets import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, corrupt, encode
 

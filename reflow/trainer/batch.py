@@ -7,8 +7,12 @@ position t+1, predicted from positions <= t.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from reflow.types import Sample
 
 
 @dataclass
@@ -106,3 +110,20 @@ def mask_stale_tokens(batch: TrainBatch, oldest_version: int) -> int:
     stale = (batch.versions >= 0) & (batch.versions < oldest_version) & (batch.loss_mask > 0)
     batch.loss_mask[stale] = 0.0
     return int(stale.sum().item())
+
+
+def to_batch(samples: list["Sample"], pad_id: int, weights: list[float] | None = None) -> TrainBatch:
+    """Samples packed for a train step (loss weights default to 1; a single-turn sample's whole response is
+    the model's)."""
+    weights = weights if weights is not None else [1.0] * len(samples)
+    return pack(
+        [s.prompt_ids for s in samples],
+        [s.output_ids for s in samples],
+        [s.logprobs for s in samples],
+        [s.versions for s in samples],
+        [s.advantage for s in samples],
+        weights,
+        [s.reward for s in samples],
+        pad_id,
+        [s.model_spans if s.model_spans is not None else [[0, len(s.output_ids)]] for s in samples],
+    )

@@ -31,12 +31,20 @@ from torch.distributed.tensor import DTensor
 
 from reflow.algorithms.grpo import LossConfig, loss_denominator, token_loss_terms, weighted_token_sum
 from reflow.config.job_config import JobConfig
+from reflow.distributed.buckets import broadcast_tensors
+from reflow.distributed.utils import TrainerLayout
 from reflow.model.qwen3 import build_model_config, build_on_meta, init_buffers
 from reflow.model.recipe import Recipe
 from reflow.trainer.batch import TrainBatch, index, zero_batch
-from reflow.distributed.buckets import broadcast_tensors
-from reflow.distributed.utils import TrainerLayout
-from reflow.trainer.elastic import adopt, carry_optimizer_state, local_shards, release, shard_tensors, zero_optimizer_state, zero_shards
+from reflow.trainer.elastic import (
+    adopt,
+    carry_optimizer_state,
+    local_shards,
+    release,
+    shard_tensors,
+    zero_optimizer_state,
+    zero_shards,
+)
 from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
 from reflow.trainer.offload import HostParking
 from reflow.trainer.parallelize import apply_block_compile, apply_fsdp, apply_full_activation_checkpointing

@@ -189,7 +189,7 @@ def test_decoupled_dispatch_rule_rejections(overrides, world, key, words):
 
 
 def test_decoupled_dispatch_rules_resolved_per_mode():
-    from reflow.modes.settings import resolve_settings
+    from reflow.config.mode_settings import resolve_settings
 
     m = ConfigManager()
     base = ["--placement.num_rollout_ranks=1", "--training.prompts_per_step=4", "--training.group_size=4"]

@@ -109,8 +109,7 @@ def test_staleness_counts_from_the_finish_version_unless_told_from_the_start():
 def test_old_head_tokens_are_masked_and_the_rest_trains():
     """A sample whose head is older than delta but whose group finished within delta trains: its tokens older
     than max_head_lag versions leave the loss, the newer ones stay."""
-    from reflow.modes.rollouts import to_batch
-    from reflow.trainer.batch import mask_stale_tokens
+    from reflow.trainer.batch import mask_stale_tokens, to_batch
 
     buf = ReplayBuffer(sigma=0.0, delta=2, sampler=RandomSampler(), replay_filter=AcceptAll())
     long = sample(0)

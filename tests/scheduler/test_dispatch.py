@@ -9,13 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reflow.config import ConfigManager
-from reflow.modes.settings import resolve_settings
+from reflow.config.mode_settings import resolve_settings
 from reflow.replay import AcceptAll, RandomSampler, ReplayBuffer
-from reflow.types import Sample
 from reflow.scheduler import DispatchBudget, DispatchRule, share_groups
 from reflow.scheduler.concurrency import WorkerLoad
 from reflow.scheduler.dispatch import GroupDispatcher, WorkerReport
 from reflow.scheduler.routing import Move, ShardCounts, ShardRouter, deal_groups, plan_moves
+from reflow.types import Sample
 
 
 @pytest.mark.parametrize("total,num_rollout", [(8, 1), (8, 2), (3, 3), (7, 3), (16, 4), (5, 2)])

@@ -2,8 +2,8 @@
 
 import pytest
 
-from reflow.scheduler.planner import Candidate, PlacementPlanner, PlannerSettings, WindowMeasurement
 from reflow.scheduler.placement import ForcedSchedule, PlacementController
+from reflow.scheduler.planner import Candidate, PlacementPlanner, PlannerSettings, WindowMeasurement
 
 
 def planner(**overrides) -> PlacementPlanner:

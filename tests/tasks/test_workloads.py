@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from reflow.config.job_config import Task as TaskSection
-from reflow.modes.rollouts import PromptTokenizer
+from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.tasks import build_task, load_problems
-from reflow.tasks.calculator import Calculator, evaluate
 from reflow.tasks.base import Problem
+from reflow.tasks.calculator import Calculator, evaluate
 from reflow.tools.make_workload_samples import APPS_PROBLEMS, MATH_PROBLEMS
 from tests.conftest import ROOT, TINY_HF
 

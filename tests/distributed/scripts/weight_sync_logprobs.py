@@ -19,10 +19,12 @@ from reflow.config.job_config import JobConfig
 from reflow.distributed import build_placement, build_trainer_layouts, init_distributed
 from reflow.model.qwen3 import build_model_config
 from reflow.model.recipe import load_recipe, resolve_path
-from reflow.modes.rollouts import PromptTokenizer, to_batch, Sample
 from reflow.rollout.engine import Request, RolloutEngine
+from reflow.rollout.tokenizer import PromptTokenizer
+from reflow.trainer.batch import to_batch
 from reflow.trainer.hf_io import build_adapter
 from reflow.trainer.policy import PolicyTrainer
+from reflow.types import Sample
 from reflow.weight_sync import WeightSync, build_sync_plan
 
 out_path = sys.argv[1]

@@ -20,12 +20,12 @@ from reflow.model.recipe import load_recipe, resolve_path
 from reflow.modes.commands import Progress, Stop, SyncWeights
 from reflow.modes.prompts import PromptStream, initial_shares
 from reflow.modes.rollout_worker import RolloutWorker
-from reflow.modes.rollouts import PromptTokenizer
-from reflow.types import GroupDone
 from reflow.rollout.engine import RolloutEngine
-from reflow.scheduler import DispatchBudget, DispatchRule
+from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.rollout.turns import TurnDriver
+from reflow.scheduler import DispatchBudget, DispatchRule
 from reflow.tasks import build_task, load_problems
+from reflow.types import GroupDone
 
 cfg = JobConfig()
 cfg.training.group_size = 2

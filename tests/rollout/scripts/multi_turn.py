@@ -23,11 +23,12 @@ from safetensors.torch import load_file
 
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import load_recipe, resolve_path
-from reflow.modes.rollouts import PromptTokenizer, to_batch
-from reflow.types import Sample
 from reflow.rollout.engine import Request, RolloutEngine
+from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.rollout.turns import TurnDriver
 from reflow.tasks.base import Problem
+from reflow.trainer.batch import to_batch
+from reflow.types import Sample
 
 
 class ScriptedEnvironment:

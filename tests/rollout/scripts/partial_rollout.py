@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import load_recipe, resolve_path
-from reflow.modes.rollouts import PromptTokenizer
 from reflow.rollout.engine import Request, RolloutEngine
+from reflow.rollout.tokenizer import PromptTokenizer
 
 cfg = JobConfig()
 cfg.rollout.temperature = 1e-3  # near-greedy: the uninterrupted and resumed runs must agree exactly

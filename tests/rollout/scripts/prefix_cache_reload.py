@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import load_recipe, resolve_path
-from reflow.modes.rollouts import PromptTokenizer
 from reflow.rollout.engine import Request, RolloutEngine
+from reflow.rollout.tokenizer import PromptTokenizer
 
 BLOCK = 32  # the CPU attention backend takes multiples of 32
 PROBE = "3+5+2+8+1+9+4+7+6+2+3+5+1+1+8+9+4+4+2+7+3+3+6+1+8+2+4+9+5+5+7+3+2+6+1+4+8+2="  # BOS + 77: 2 full blocks, a tail

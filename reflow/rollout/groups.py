@@ -1,0 +1,51 @@
+"""GRPO request groups: the G sampling requests of one prompt (seeded per sample and version), and the
+held-out evaluation of one rank's share of the eval prompts."""
+
+from __future__ import annotations
+
+import hashlib
+
+from reflow.rollout.engine import Request
+from reflow.rollout.scoring import score
+from reflow.rollout.tokenizer import PromptTokenizer
+from reflow.tasks.base import Problem, Task
+
+
+def request_seed(job_seed: int, uid: str, sample: int, version: int) -> int:
+    """A stable per-sample sampling seed (same run, same samples)."""
+    h = hashlib.blake2b(f"{job_seed}/{uid}/{sample}/{version}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+def make_group_requests(
+    problem: Problem, draw: int, task: Task, tok: PromptTokenizer, group_size: int, max_tokens: int, job_seed: int, version: int
+) -> list[Request]:
+    """G sample-level requests for one prompt; they travel (and are scored) together.
+
+    ``draw`` is the prompt's position in the run's prompt stream: unique even when a problem is drawn twice."""
+    ids = tok.encode_prompt(task.format_prompt(problem))
+    group = f"{problem.uid}#{draw}"
+    return [
+        Request(
+            request_id=f"{group}/{k}",
+            prompt_ids=ids,
+            max_tokens=max_tokens,
+            seed=request_seed(job_seed, group, k, version),
+            meta={"problem": problem, "group": group, "draw": draw},
+        )
+        for k in range(group_size)
+    ]
+
+
+def evaluate_share(parts, turns, num_prompts: int, index: int, count: int) -> tuple[float, int]:
+    """Share ``index`` of ``count`` of the first ``num_prompts`` held-out prompts, one sample each on this rank's
+    engine, run to completion through ``turns`` (a ``TurnDriver`` holding nothing else): (sum of rewards,
+    samples)."""
+    problems = parts.eval_problems[:num_prompts][index::count]
+    requests = []
+    for problem in problems:
+        requests.extend(make_group_requests(
+            problem, -1, parts.task, parts.tokenizer, 1, parts.cfg.rollout.max_new_tokens, parts.cfg.job.seed, -1,
+        ))
+    samples = score(turns.generate(requests), parts.task, parts.tokenizer) if requests else []
+    return sum(s.reward for s in samples), len(samples)
