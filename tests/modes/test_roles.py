@@ -1,0 +1,142 @@
+"""The decoupled protocol's roles driven in process, without vLLM or torchrun: trainer shards, the leader and
+the rollout side's ``apply_progress``, wired as ``DecoupledMode`` wires them (readiness exchange, moves,
+Progress), so each rule of ``docs/decoupled_protocol.md`` gets a fast test."""
+
+import pytest
+
+from reflow.modes.commands import Progress, apply_progress
+from reflow.modes.leader import Leader, RolloutWindow
+from reflow.modes.ledger import new_ledger
+from reflow.modes.trainer_shard import TrainerShard
+from reflow.replay import AcceptAll, RandomSampler, ReplayBuffer
+from reflow.scheduler import DispatchBudget, DispatchRule
+from reflow.scheduler.routing import ShardRouter
+from reflow.types import EvalShare, Sample, TrainerView, WorkerStats
+
+GROUP = 4
+
+
+def group(draw: int, origin: int, finish_version: int, birth_version: int | None = None) -> list[Sample]:
+    birth = finish_version if birth_version is None else birth_version
+    return [
+        Sample(uid=f"g{draw}/{k}", draw=draw, group_id=f"g{draw}", prompt_ids=[1], output_ids=[5] * (k + 1),
+               logprobs=[-0.1] * (k + 1), versions=[birth] * (k + 1), reward=0.5, origin=origin, advantage=1.0,
+               finish_version=finish_version)
+        for k in range(GROUP)
+    ]
+
+
+def shards(count: int, batch: int, num_rollout: int, sigma=0.5, delta=2) -> tuple[list[TrainerShard], dict]:
+    ledger = new_ledger()
+    out = []
+    for index in range(count):
+        buffer = ReplayBuffer(sigma, delta, RandomSampler(), AcceptAll(), seed=index, anchor="finish")
+        buffer.start_version = 0
+        out.append(TrainerShard(buffer, index, num_rollout, batch // count, ledger))
+    return out, ledger
+
+
+class Sink:
+    """The leader's control channel, in process: every command, in order, per rollout worker."""
+
+    def __init__(self):
+        self.sent: dict[int, list] = {}
+
+    def send(self, dst, command):
+        self.sent.setdefault(dst, []).append(command)
+
+
+def exchange(all_shards: list[TrainerShard], version: int) -> TrainerView:
+    """The gloo exchange's result, computed in process from every shard's report."""
+    return TrainerView.combine([shard.readiness(version) for shard in all_shards])
+
+
+def test_a_shard_retires_stale_arrivals_at_once_and_counts_per_worker():
+    (shard,), ledger = shards(1, 8, num_rollout=2, delta=2)
+    shard.accept_group(group(0, origin=1, finish_version=0), version=3)  # staleness 3 > delta
+    shard.accept_group(group(1, origin=0, finish_version=2), version=3)
+    assert shard.retired == [0, GROUP] and len(shard.buffer.unused) == GROUP
+    assert {ledger["eviction_causes"][u] for u in ledger["evicted_unused"]} == {"arrived_stale"}
+    shard.evict_stale(5, "aged")  # the second group ages past delta in the buffer
+    assert shard.retired == [GROUP, GROUP] and shard.window.evicted == {"arrived_stale": GROUP, "aged": GROUP, "at_sync": 0}
+
+
+def test_a_batch_holds_exactly_b_over_shards_after_the_moves():
+    """Two shards, b = 8 (4 each), sigma 0.5: all three groups went to shard 0. The exchange plans moves, shard
+    1 receives what it lacks, and then both serve exactly 4, earliest deadline first (R3, R4)."""
+    pair, ledger = shards(2, 8, num_rollout=1)
+    for draw, finished in ((0, 1), (2, 1), (1, 0)):  # g1 arrives last but finished first
+        pair[0].accept_group(group(draw, origin=0, finish_version=finished), version=1)
+    view = exchange(pair, 1)
+    assert not view.all_ready and view.unused == (12, 0)
+    moves = view.moves(4)
+    assert moves
+    for shard in pair:  # every rank applies its part of the same moves
+        for receiver, samples in shard.donate(moves, version=1):
+            pair[receiver].accept_moved(samples)
+    assert exchange(pair, 1).all_ready
+    plans = [shard.plan(1) for shard in pair]
+    assert [plan.size for plan in plans] == [4, 4]
+    assert sorted(ledger["moved_out"]) == sorted(ledger["moved_in"])
+    trained_first = {s.group_id for s in plans[0].fresh + plans[1].fresh}
+    assert "g1" in trained_first  # earliest deadline first, not arrival order: g1 finished at version 0
+    for shard, plan in zip(pair, plans):
+        shard.retire_trained(plan)
+    assert sum(shard.retired[0] for shard in pair) == 8
+
+
+def test_the_leader_publishes_progress_only_when_it_changed_and_the_workers_apply_it():
+    """The leader's Progress carries each worker's retired count and every shard's unused count; a rollout
+    worker's budget and router take it through ``apply_progress``; a word that changes nothing is not sent."""
+    pair, _ = shards(2, 8, num_rollout=2)
+    sink = Sink()
+    leader = Leader(sink, GROUP, controller=None)
+    leader.enter([1, 2], dispatcher=None)
+    pair[0].accept_group(group(0, origin=0, finish_version=0), version=0)
+    pair[1].accept_group(group(1, origin=1, finish_version=0), version=0)
+    pair[0].evict_stale(3, "aged")  # worker 0's group retires unused
+    view = exchange(pair, 3)
+    leader.publish(1, view)
+    leader.publish(1, view)  # the same counts: nothing new to say
+    assert [len(sink.sent[rank]) for rank in (1, 2)] == [1, 1]
+    word = sink.sent[1][0]
+    assert word == Progress(1, GROUP, None, (0, GROUP))
+    rule = DispatchRule(window=16)
+    budget, router = DispatchBudget(rule, 0, 2, GROUP), ShardRouter(2, first=0)
+    before = budget.room()
+    apply_progress(word, budget, router)
+    assert budget.room() == before + GROUP  # the retired group freed its room in the window (R1)
+    assert router.choose(GROUP) == 0  # the shard with fewer unused samples gets the next group
+
+
+def test_worker_stats_add_up_and_the_window_repeats_the_last_ratio_when_a_step_has_no_report():
+    window = RolloutWindow()
+    window.add(1, WorkerStats(busy_s=3.0, idle_s=1.0, engine_steps=2, kv_usage_sum=1.0, cap=8, prefilled_tokens=40))
+    window.add(1, WorkerStats(busy_s=1.0, idle_s=3.0, engine_steps=2, kv_usage_sum=0.6, cap=6, cap_changes=(("cut", 8, 6),)))
+    row = window.close()
+    assert row["rollout_idle_ratio"] == pytest.approx(0.5) and row["kv_usage_mean"] == pytest.approx(0.4)
+    assert row["concurrency_caps"] == {"1": 6} and row["cap_changes"] == {"1": [("cut", 8, 6)]}
+    assert row["rollout_prefilled_tokens"] == 40
+    quiet = window.close()  # a step shorter than the report period
+    assert quiet["rollout_idle_ratio"] == pytest.approx(0.5) and quiet["rollout_busy_s"] == 0.0
+
+
+def test_an_evaluation_is_logged_once_every_worker_reported_it():
+    leader = Leader(Sink(), GROUP, controller=None)
+    leader.evaluations.expect(2, workers=2)
+    leader.evaluations.add(EvalShare(2, 1.5, 3))
+    assert leader.evaluations.finished() == {}
+    leader.evaluations.add(EvalShare(2, 0.5, 1))
+    assert leader.evaluations.finished() == {"eval_reward": pytest.approx(0.5), "eval_policy_version": 2}
+    assert leader.evaluations.finished() == {}
+
+
+def test_a_leaving_shard_hands_everything_over_and_budgets_restart():
+    pair, ledger = shards(2, 8, num_rollout=2)
+    pair[1].accept_group(group(0, origin=1, finish_version=0), version=0)
+    samples, draws = pair[1].hand_over()
+    pair[0].accept_handover(samples, draws)
+    pair[0].restart_budgets(num_rollout=3)
+    assert len(pair[0].buffer.unused) == GROUP and all(s.origin == -1 for s in pair[0].buffer.unused)
+    assert pair[0].received_draws == {0} and pair[0].retired == [0, 0, 0]
+    assert sorted(ledger["handed_over_unused"]) == sorted(ledger["handed_in_unused"])
