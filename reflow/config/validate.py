@@ -1,8 +1,11 @@
-"""Checks that need more than one field: combinations, the world size, the model recipe."""
+"""Config checks: every field's declared limit and every section's own rules (``reflow.config.job_config``),
+then what needs more than one section: combinations, the world size, the model recipe."""
 
 from __future__ import annotations
 
-from reflow.config.job_config import MODES, JobConfig
+import dataclasses
+
+from reflow.config.job_config import JobConfig, field_problems
 from reflow.config.manager import ConfigError
 
 
@@ -12,67 +15,14 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
     def fail(key: str, msg: str) -> None:
         raise ConfigError(f"{where(key)}: '{key}' {msg}")
 
+    # 1. every field within the limit declared at it, and each section's own rules
+    for section_spec in dataclasses.fields(cfg):
+        section = getattr(cfg, section_spec.name)
+        problems = field_problems(section) + (section.rules() if hasattr(section, "rules") else [])
+        for name, problem in problems:
+            fail(f"{section_spec.name}.{name}", problem)
+    # 2. what needs more than one section
     t, r = cfg.training, cfg.rollout
-    if t.mode not in MODES:
-        fail("training.mode", f"must be one of {', '.join(MODES)}, got {t.mode!r}")
-    rp = cfg.replay
-    if not 0 <= rp.sigma < 1:
-        fail("replay.sigma", f"must be in [0, 1), got {rp.sigma}")
-    if rp.tau < 0:
-        fail("replay.tau", f"must be >= 0, got {rp.tau}")
-    if rp.delta < 0:
-        fail("replay.delta", f"must be >= 0, got {rp.delta}")
-    if rp.staleness_from not in ("finish", "start"):
-        fail("replay.staleness_from", f"must be 'finish' or 'start', got {rp.staleness_from!r}")
-    if rp.max_head_lag < 0 or (rp.max_head_lag and rp.max_head_lag < rp.delta):
-        fail(
-            "replay.max_head_lag",
-            f"= {rp.max_head_lag} must be 0 (2 x delta) or >= replay.delta = {rp.delta}: a sample trained within delta "
-            "would otherwise lose even its newest tokens",
-        )
-    if r.b_max < 0:
-        fail("rollout.b_max", f"must be >= 0, got {r.b_max}")
-    from reflow.replay.policies import FILTERS, SAMPLERS
-
-    if rp.sampler not in SAMPLERS:
-        fail("replay.sampler", f"must be one of {', '.join(SAMPLERS)}, got {rp.sampler!r}")
-    if rp.filter not in FILTERS:
-        fail("replay.filter", f"must be one of {', '.join(FILTERS)}, got {rp.filter!r}")
-    if rp.filter_reward_low > rp.filter_reward_high:
-        fail("replay.filter_reward_low", f"({rp.filter_reward_low}) must be <= replay.filter_reward_high ({rp.filter_reward_high})")
-    for key, value, low in (
-        ("training.steps", t.steps, 1),
-        ("training.prompts_per_step", t.prompts_per_step, 1),
-        ("training.group_size", t.group_size, 1),
-        ("training.ppo_epochs", t.ppo_epochs, 1),
-        ("training.num_minibatches", t.num_minibatches, 1),
-        ("training.micro_batch_size", t.micro_batch_size, 1),
-        ("rollout.max_new_tokens", r.max_new_tokens, 1),
-        ("rollout.max_num_seqs", r.max_num_seqs, 1),
-        ("weight_sync.interval", cfg.weight_sync.interval, 1),
-        ("metrics.log_freq", cfg.metrics.log_freq, 1),
-        ("metrics.progress_every", cfg.metrics.progress_every, 1),
-        ("job.collective_timeout_s", cfg.job.collective_timeout_s, 10),
-        ("checkpoint.interval", cfg.checkpoint.interval, 1),
-        ("checkpoint.keep_last", cfg.checkpoint.keep_last, 0),
-        ("training.max_nonfinite_steps", t.max_nonfinite_steps, 0),
-    ):
-        if value < low:
-            fail(key, f"must be >= {low}, got {value}")
-    if cfg.task.reward_timeout_s <= 0:
-        fail("task.reward_timeout_s", f"must be > 0, got {cfg.task.reward_timeout_s}")
-    if t.lr <= 0:
-        fail("training.lr", f"must be > 0, got {t.lr}")
-    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        fail("training.betas", f"must be two numbers in [0, 1), got {t.betas}")
-    if not 0 <= t.clip_eps < 1:
-        fail("training.clip_eps", f"must be in [0, 1), got {t.clip_eps}")
-    if t.kl_coef < 0:
-        fail("training.kl_coef", f"must be >= 0, got {t.kl_coef}")
-    if r.temperature <= 0:
-        fail("rollout.temperature", f"must be > 0 (the trainer scores log-probs at this temperature), got {r.temperature}")
-    if not 0 < r.top_p <= 1:
-        fail("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     if r.tensor_parallel_degree > 1 and t.mode == "sync":
         fail(
             "rollout.tensor_parallel_degree",
@@ -81,8 +31,6 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         )
     if t.mode == "sync" and cfg.weight_sync.interval != 1:
         fail("weight_sync.interval", f"must be 1 in 'sync' mode (on-policy), got {cfg.weight_sync.interval}")
-    if t.group_size < 2:
-        fail("training.group_size", f"must be >= 2: GRPO advantages compare samples of one prompt, got {t.group_size}")
     if r.top_p < 1 and t.is_truncation > 0:
         fail(
             "rollout.top_p",
@@ -101,44 +49,11 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
             )
     if cfg.checkpoint.load_step >= 0 and not cfg.checkpoint.enable:
         fail("checkpoint.load_step", f"= {cfg.checkpoint.load_step} needs checkpoint.enable = true")
-    if t.activation_checkpointing not in ("none", "full"):
-        fail("training.activation_checkpointing", f"must be 'none' or 'full', got {t.activation_checkpointing!r}")
-    if t.param_dtype not in ("float32", "bfloat16"):
-        fail("training.param_dtype", f"must be 'float32' or 'bfloat16', got {t.param_dtype!r}")
-    if cfg.model.attention not in ("sdpa", "flex"):
-        fail("model.attention", f"must be 'sdpa' or 'flex', got {cfg.model.attention!r}")
     _validate_scheduler(cfg, fail)
 
 
 def _validate_scheduler(cfg: JobConfig, fail) -> None:
     sched, mode = cfg.scheduler, cfg.training.mode
-    if cfg.rollout.kv_block_size < 0 or cfg.rollout.kv_block_size % 16:
-        fail("rollout.kv_block_size", f"must be 0 (vLLM's default) or a positive multiple of 16, got {cfg.rollout.kv_block_size}")
-    if cfg.rollout.num_kv_blocks < 0:
-        fail("rollout.num_kv_blocks", f"must be >= 0 (0: vLLM sizes the KV cache), got {cfg.rollout.num_kv_blocks}")
-    for key, value in (("scheduler.alpha", sched.alpha), ("scheduler.response_percentile", sched.response_percentile)):
-        if not 0 < value <= 1:
-            fail(key, f"must be in (0, 1], got {value}")
-    if not 0 < sched.rho <= 2:
-        fail("scheduler.rho", f"must be in (0, 2] (above 1 over-commits against the predicted lengths), got {sched.rho}")
-    if sched.interval_s <= 0:
-        fail("scheduler.interval_s", f"must be > 0, got {sched.interval_s}")
-    if sched.cooldown_steps < 1:
-        fail("scheduler.cooldown_steps", f"must be >= 1, got {sched.cooldown_steps}")
-    if sched.horizon_steps < 1:
-        fail("scheduler.horizon_steps", f"must be >= 1, got {sched.horizon_steps}")
-    if sched.margin < 0:
-        fail("scheduler.margin", f"must be >= 0, got {sched.margin}")
-    if sched.transition_cost_s < 0:
-        fail("scheduler.transition_cost_s", f"must be >= 0, got {sched.transition_cost_s}")
-    if not 0 < sched.planner_ema <= 1:
-        fail("scheduler.planner_ema", f"must be in (0, 1], got {sched.planner_ema}")
-    if sched.planner_warmup_steps < 0:
-        fail("scheduler.planner_warmup_steps", f"must be >= 0, got {sched.planner_warmup_steps}")
-    if not 0 < sched.idle_threshold < 1:
-        fail("scheduler.idle_threshold", f"must be in (0, 1), got {sched.idle_threshold}")
-    if sched.idle_windows < 1:
-        fail("scheduler.idle_windows", f"must be >= 1, got {sched.idle_windows}")
     for key, on in (("scheduler.adaptive_concurrency", sched.adaptive_concurrency), ("scheduler.kv_admission", sched.kv_admission)):
         if on and mode not in ("async", "reflow"):
             fail(

@@ -8,7 +8,7 @@ from reflow.tasks.base import Environment, Problem, Task, iterate_epochs
 from reflow.tasks.datasets import load_problems
 
 if TYPE_CHECKING:
-    from reflow.config.job_config import Task as TaskSection
+    from reflow.config.job_config import TaskSection
 
 
 def _sandbox(section: "TaskSection"):

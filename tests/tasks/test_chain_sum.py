@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from reflow.config.job_config import Task as TaskSection
+from reflow.config.job_config import TaskSection
 from reflow.tasks import TASKS, build_task, load_problems
 from reflow.tasks.base import Problem, Task, iterate_epochs
 from reflow.tasks.chain_sum import ChainSumSpec, generate, write_jsonl

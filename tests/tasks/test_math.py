@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from reflow.config.job_config import Task as TaskSection
+from reflow.config.job_config import TaskSection
 from reflow.tasks import build_task
 from reflow.tasks.base import Problem
 from reflow.tasks.math_verify_reward import MathVerifier

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from reflow.config.job_config import Task as TaskSection
+from reflow.config.job_config import TaskSection
 from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.tasks import build_task, load_problems
 from reflow.tasks.base import Problem
