@@ -569,3 +569,8 @@ def simulate(cfg: SimConfig, profile: CostProfile, workload: Workload) -> dict:
     if cfg.mode == "sync":
         return simulate_sync(cfg, profile, workload)
     return DecoupledSim(cfg, profile, workload).run()
+
+
+def simulate_job(job: tuple[SimConfig, CostProfile, Workload]) -> dict:
+    """``simulate`` of one (config, profile, workload): what a process pool's worker runs."""
+    return simulate(*job)
