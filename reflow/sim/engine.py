@@ -31,6 +31,8 @@ class SimSequence:
     resume_at: float = 0.0
     needs_prefill: int = 0
     """Tokens to (re)compute when next scheduled."""
+    admitted_at: float = 0.0
+    """Simulated time it was admitted (for the admission-to-finish latency)."""
 
     @property
     def remaining(self) -> int:

@@ -113,6 +113,12 @@ class StepRecord:
     received_tokens: int = 0
     """Response tokens of the samples that arrived."""
     evicted: int = 0
+    sync_s: float = 0.0
+    engine_steps: int = 0
+    step_sequences: int = 0
+    """Sequences summed over the engine steps of the step (mean in flight = step_sequences / engine_steps)."""
+    latencies: list[float] = field(default_factory=list)
+    """Admission-to-finish seconds of the samples whose group finished in the step."""
 
     def as_row(self) -> dict:
         """The live decoupled rows' keys the placement planner reads."""
@@ -129,7 +135,12 @@ def summarize(records: list[StepRecord], warmup: int, transitions: list[dict]) -
     seconds = sum(r.end - r.start for r in kept)
     busy = sum(r.rollout_busy_s for r in kept)
     idle = sum(r.rollout_idle_s for r in kept)
+    engine_steps = sum(r.engine_steps for r in kept)
+    latencies = [x for r in kept for x in r.latencies]
     return {
+        "mean_in_flight": sum(r.step_sequences for r in kept) / engine_steps if engine_steps else 0.0,
+        "admission_to_finish_s": sum(latencies) / len(latencies) if latencies else 0.0,
+        "sync_s_per_step": sum(r.sync_s for r in kept) / max(len(kept), 1),
         "tokens_per_s": sum(r.trainer_tokens for r in kept) / max(seconds, 1e-9),
         "trainer_idle_ratio": sum(r.wait_s for r in kept) / max(seconds, 1e-9),
         "rollout_idle_ratio": idle / max(busy + idle, 1e-9),
@@ -214,6 +225,7 @@ class DecoupledSim:
         self.transitions: list[dict] = []
         self.received = 0  # samples delivered to the shards during the current step
         self.received_tokens = 0  # and their response tokens
+        self.latencies: list[float] = []  # admission-to-finish seconds of the samples finished this step
         self.planner = (
             PlacementPlanner(PlannerSettings(
                 world_size=cfg.gpus, shard_degree=cfg.shard_degree,
@@ -343,7 +355,7 @@ class DecoupledSim:
                 sequences.append(SimSequence(
                     uid=f"{group}/{k}", group=group, draw=draw, prompt_tokens=self.workload.prompt_tokens,
                     target_tokens=target, birth_version=engine.version, origin=rollout.index, turn_points=points,
-                    tool_latency_s=self.workload.tool_latency_s,
+                    tool_latency_s=self.workload.tool_latency_s, admitted_at=engine.clock,
                 ))
             engine.add(sequences)
             rollout.budget.record_start()
@@ -356,6 +368,7 @@ class DecoupledSim:
             if len(members) < self.cfg.group_size:
                 continue
             del self.partial[seq.group]
+            self.latencies.extend(rollout.engine.clock - member.admitted_at for member in members)
             samples = []
             for member in members:
                 self.tokens[member.uid] = member.prompt_tokens + member.generated
@@ -452,6 +465,10 @@ class DecoupledSim:
             busy0 = sum(r.engine.busy_s for r in self.rollouts)
             idle0 = sum(r.engine.idle_s for r in self.rollouts)
             self.received = self.received_tokens = 0
+            self.latencies = []
+            steps0 = sum(r.engine.engine_steps for r in self.rollouts)
+            sequences0 = sum(r.engine.step_sequences for r in self.rollouts)
+            sync_s = 0.0
             evicted_before = len(self.ledger["evicted_unused"])
             # 1. wait until every shard can serve a batch (the other engines catch up to that time, and what they
             #    deliver meanwhile goes through the same staleness check)
@@ -494,6 +511,7 @@ class DecoupledSim:
                     rollout.engine.version = self.version
                     rollout.engine.reload_weights()
                 self.clock += profile.weight_sync_s
+                sync_s = profile.weight_sync_s
             self._tell_budgets()
             for rollout in self.rollouts:
                 if not rollout.engine.num_active and rollout.engine.clock < self.clock:
@@ -507,7 +525,9 @@ class DecoupledSim:
                 rollout_busy_s=sum(r.engine.busy_s for r in self.rollouts) - busy0,
                 rollout_idle_s=sum(r.engine.idle_s for r in self.rollouts) - idle0,
                 placement=self.placement, staleness=staleness, received_tokens=self.received_tokens,
-                evicted=len(self.ledger["evicted_unused"]) - evicted_before,
+                evicted=len(self.ledger["evicted_unused"]) - evicted_before, sync_s=sync_s,
+                engine_steps=sum(r.engine.engine_steps for r in self.rollouts) - steps0,
+                step_sequences=sum(r.engine.step_sequences for r in self.rollouts) - sequences0, latencies=self.latencies,
             )
             self.records.append(record)
             self.leader.placement_rows.append(record.as_row())
@@ -557,7 +577,7 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
             engine.idle_s += clock - engine.clock
             engine.clock = clock
         records.append(StepRecord(
-            step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(tokens),
+            step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(tokens), sync_s=profile.weight_sync_s,
             received=cfg.batch, fresh=cfg.batch, replayed=0,
             rollout_busy_s=sum(e.busy_s for e in engines) - busy0, rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
             placement=placement_name(1, cfg.gpus, 0),
