@@ -143,7 +143,7 @@ class Leader:
         granted = None
         if self.dispatcher is not None:
             before = list(self.dispatcher.granted)
-            granted = self.dispatcher.deal(steps_done, list(view.retired))
+            granted = self.dispatcher.deal(steps_done, list(view.retired))  # I3: all the room the rule allows, at once
             for worker, rank in enumerate(self.rollout_workers):
                 dealt = (granted[worker] - before[worker]) // self.group_size
                 self.dealt_groups[str(rank)] = self.dealt_groups.get(str(rank), 0) + dealt

@@ -233,7 +233,7 @@ class RolloutWorker:
     def _sync(self, version: int) -> None:
         t0 = time.perf_counter()
         sequences = self.engine.num_active
-        started = self.turns.step_until_started()
+        started = self.turns.step_until_started()  # I1: every token of an admitted request is from its admission version on
         self.gate.after_step([len(req.output_ids) for req in started], sequences)
         for req in started:
             self._finished(req)
@@ -274,7 +274,7 @@ class RolloutWorker:
         the KV rule when on) lets the next one in."""
         cfg = self.cfg
         while True:
-            if not self.budget.can_start():
+            if not self.budget.can_start():  # R1: the window (and in reflow B_max)
                 return
             key = (self.share.peek(), self.engine.version)  # the seeds follow the version it starts under
             if self._next_group is None or self._next_group[0] != key:
@@ -301,7 +301,7 @@ class RolloutWorker:
         samples = self.groups.add(req, self.engine.version)
         if samples is None:
             return
-        destination = self.trainer_ranks[self.router.choose(len(samples))]  # bound to a shard on arrival
+        destination = self.trainer_ranks[self.router.choose(len(samples))]  # R4: bound to a shard on arrival
         self.outbox.put(destination, GroupDone(samples))
         now = time.time()
         self.ledger["sent"].extend(

@@ -61,7 +61,7 @@ class TrainerShard:
         self.window.received += len(samples)
         self.window.received_tokens += sum(len(s.output_ids) for s in samples)
         self.window.received_reward += sum(s.reward for s in samples)
-        for sample in samples:
+        for sample in samples:  # R2: staleness from the anchor version (the finish, in async and reflow)
             if self.buffer.is_stale(sample, version):
                 self._evicted_unused(sample, "arrived_stale")
             else:
@@ -142,7 +142,7 @@ class TrainerShard:
     # ---- the step -------------------------------------------------------------------
 
     def plan(self, version: int) -> BatchPlan:
-        """Exactly b/A: fresh samples earliest deadline first, replayed ones up to sigma (every shard was ready)."""
+        """R3: exactly b/A, fresh samples earliest deadline first, replayed ones up to sigma (every shard was ready)."""
         plan = self.buffer.plan_batch(self.batch_per_shard, version)
         if plan is None or plan.size != self.batch_per_shard:
             raise RuntimeError(f"trainer shard {self.index} was ready for a batch of {self.batch_per_shard} but cannot serve it")
