@@ -1,28 +1,33 @@
-"""The whole system in simulated time: rollout engines, trainer shards and the control loop of each mode,
-built on the real scheduling classes (``DispatchBudget``, ``GroupDispatcher``, ``ShardRouter``, ``plan_moves``,
-``ReplayBuffer``, ``ConcurrencyController``, ``KVAdmission``, ``PlacementPlanner``, ``resolve_settings``), so the
-simulator runs the decisions the live system runs, at 8 to 128 GPUs.
+"""The whole system in simulated time. The trainer side is the live roles themselves: one ``TrainerShard`` per
+shard (receive, evict, readiness, moves, plan, retire) and the ``Leader`` (Progress, the global dispatcher,
+the placement controller), whose Progress words reach each simulated rollout worker at once through
+``apply_progress``, the live rollout worker's function. The rollout side is simulated engines under the live
+scheduling classes (``DispatchBudget``, ``ShardRouter``, ``ConcurrencyController``, ``KVAdmission``), and the
+rule is ``resolve_settings``'s, so the simulator runs the decisions the live system runs, at 8 to 128 GPUs.
 
 Decoupled modes, one trainer step (``DecoupledSim.run``):
 
   1. wait     advance the engine with the earliest clock, one macro-step at a time, delivering each finished
               group (stamped with its finish version) to the shard the router picks, until every shard can
               serve exactly b/A samples (the trainer waits); shards short of samples take others' surplus
-              (``plan_moves``)
+              (``TrainerView.moves``, as the live readiness exchange computes them)
   2. train    plan every shard's batch (fresh earliest deadline first, replayed up to sigma), train for the
               slowest rank's tokens while every engine runs on to the end of the step
-  3. retire   first uses retire their samples; every rollout engine's budget learns the counts (Progress), and
-              with scheduler.kv_admission the global dispatcher deals the new room by the engines' KV loads
+  3. retire   first uses retire their samples; the leader publishes Progress, and with scheduler.kv_admission
+              its dispatcher deals the new room by the engines' KV loads
   4. sync     every k steps: the trainer and every engine pause for the weight sync; engines admit new
-              groups at the new version, sequences in flight keep their birth version (partial rollouts)
-  5. place    at sync points the placement controller (the planner) may move ranks: every engine finishes
-              what it has in flight, the transition costs its measured seconds, leaving shards hand their
-              samples to staying ones, and budgets restart at this step (as ``DecoupledMode._transition``)
+              groups at the new version, sequences in flight keep their birth version (partial rollouts) and
+              prefill their prompt and prefix again (the live engine resets its prefix cache)
+  5. place    at sync points the placement controller (the planner) may move ranks: every engine holds what
+              it has in flight, the transition costs the profile's seconds, leaving shards hand their samples
+              to staying ones, the held groups are dealt to the new engines (``deal_groups``, as
+              ``change_placement``) and budgets restart at this step
 
 ``sync`` mode: every GPU generates its share of the batch to completion, then every GPU trains, then syncs.
 
 Simplifications, stated: commands and samples travel instantly; engines admit between macro-steps (a few
-decode steps) rather than between single steps; one global prompt stream.
+decode steps) rather than between single steps; a sequence at its tool is handed over at a placement change
+(live, a leaving worker waits for it to come back first); one global prompt stream.
 """
 
 from __future__ import annotations
