@@ -16,18 +16,13 @@ other trainer rank, and broadcasts the leader's placement answer itself. Its wor
 
 from __future__ import annotations
 
-from typing import Protocol
-
-from reflow.modes.commands import Command, Progress
+from reflow.dataplane.protocols import CommandSink
+from reflow.modes.commands import Progress
 from reflow.scheduler import PlacementController
 from reflow.scheduler.dispatch import DispatchRule, GroupDispatcher
 from reflow.scheduler.placement import ForcedSchedule
 from reflow.scheduler.planner import PlacementDecision
 from reflow.types import EvalShare, TrainerView, WorkerStats
-
-
-class CommandSink(Protocol):
-    def send(self, dst: int, command: Command) -> None: ...
 
 
 class RolloutWindow:

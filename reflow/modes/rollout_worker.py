@@ -35,7 +35,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from reflow.dataplane import ControlChannel, Outbox
+from reflow.dataplane.protocols import CommandSource, DataSink
 from reflow.modes.commands import Progress, Stop, SyncWeights, Transition, apply_progress
 from reflow.modes.prompts import PromptShare, PromptStream
 from reflow.rollout.admission import AdmissionGate
@@ -91,8 +91,8 @@ class RolloutWorker:
         self,
         parts: "Components",
         weight_sync,
-        control: ControlChannel,
-        outbox: Outbox,
+        control: CommandSource,
+        outbox: DataSink,
         budget: DispatchBudget,
         stream: PromptStream,
         share: PromptShare,

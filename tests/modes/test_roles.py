@@ -140,3 +140,13 @@ def test_a_leaving_shard_hands_everything_over_and_budgets_restart():
     assert len(pair[0].buffer.unused) == GROUP and all(s.origin == -1 for s in pair[0].buffer.unused)
     assert pair[0].received_draws == {0} and pair[0].retired == [0, 0, 0]
     assert sorted(ledger["handed_over_unused"]) == sorted(ledger["handed_in_unused"])
+
+
+def test_the_gloo_planes_and_the_in_process_fakes_implement_the_transport_protocols():
+    from reflow.dataplane.protocols import CommandSink, CommandSource, DataSink
+    from reflow.dataplane.transport import ControlChannel, Outbox
+    from reflow.sim.system import _InstantControl
+
+    for cls, protocol in ((ControlChannel, CommandSink), (ControlChannel, CommandSource), (Outbox, DataSink)):
+        assert all(callable(getattr(cls, name, None)) for name in ("send", "poll", "wait", "put") if hasattr(protocol, name))
+    assert isinstance(Sink(), CommandSink) and isinstance(_InstantControl(None), CommandSink)
