@@ -118,14 +118,16 @@ def _least_squares(rows: list[tuple[float, ...]], targets: list[float]) -> list[
 def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CPU) -> CostProfile:
     """A profile from real runs' metrics.jsonl files (several modes of one benchmark, or one run):
 
-      engine    busy seconds of each rollout window against its engine steps and the sequences they stepped
-                (decoupled runs' rows carry rollout_engine_steps and rollout_step_sequences)
+      engine    busy seconds of each rollout window against its engine steps, the sequences they stepped and,
+                where every window reports them, the tokens prefilled (new prompts, and the prefix of every
+                held request again after a weight sync): decoupled runs' rows carry rollout_engine_steps,
+                rollout_step_sequences and rollout_prefilled_tokens
       trainer   train_time_s of each step against 1, its tokens per trainer rank and whether the trainer had
                 more than one rank (the collectives)
       sync      the mean weight_sync_s of the steps that synced
 
-    Fields the runs cannot tell (KV budget, block size, prefill and context costs, a transition when none
-    happened) keep ``base``'s values."""
+    Fields the runs cannot tell (KV budget, block size, the context cost, the prefill cost of runs that did not
+    report it, a transition when none happened) keep ``base``'s values."""
     rows = []
     for path in metrics_paths:
         rows += [json.loads(line) for line in open(path)]
@@ -136,9 +138,14 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
             f"{', '.join(metrics_paths)}: need at least 3 steps of a decoupled run with rollout windows "
             f"(found {len(windows)} windows, {len(steps)} steps)"
         )
-    overhead, per_sequence = _least_squares(
-        [(r["rollout_engine_steps"], r["rollout_step_sequences"]) for r in windows], [r["rollout_busy_s"] for r in windows]
+    prefills = all("rollout_prefilled_tokens" in r for r in windows)
+    engine = _least_squares(
+        [(r["rollout_engine_steps"], r["rollout_step_sequences"], *([r["rollout_prefilled_tokens"]] if prefills else []))
+         for r in windows],
+        [r["rollout_busy_s"] for r in windows],
     )
+    overhead, per_sequence = engine[:2]
+    prefill = engine[2] if prefills else base.prefill_token_s
     ranks = [trainer_ranks(r["placement"]) for r in steps]
     columns = [(1.0, r["trainer_tokens"] / n, 1.0 if n > 1 else 0.0) for r, n in zip(steps, ranks)]
     if not any(c[2] for c in columns):
@@ -154,7 +161,7 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
         step_overhead_s=overhead,
         decode_token_s=per_sequence,
         context_token_s=base.context_token_s,
-        prefill_token_s=base.prefill_token_s,
+        prefill_token_s=prefill,
         kv_budget_tokens=base.kv_budget_tokens,
         kv_block_size=base.kv_block_size,
         max_num_seqs=base.max_num_seqs,

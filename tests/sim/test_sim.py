@@ -83,10 +83,12 @@ def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
     rows = []
     for step in range(1, 21):
         steps, sequences_stepped, tokens = rng.randint(50, 150), rng.randint(1000, 6000), rng.randint(2000, 9000)
+        prefilled = rng.randint(500, 5000)
         ranks = 1 + step % 2  # T1x1+R3 and T2x1+R2 in turn: the collectives cost 0.02 s with 2 ranks
         rows.append({
             "step": step, "placement": f"T{ranks}x1+R{4 - ranks}", "rollout_engine_steps": steps,
-            "rollout_step_sequences": sequences_stepped, "rollout_busy_s": 0.004 * steps + 0.0002 * sequences_stepped,
+            "rollout_step_sequences": sequences_stepped, "rollout_prefilled_tokens": prefilled,
+            "rollout_busy_s": 0.004 * steps + 0.0002 * sequences_stepped + 0.00005 * prefilled,
             "trainer_tokens": tokens, "train_time_s": 0.05 + 0.0003 * tokens / ranks + (0.02 if ranks > 1 else 0.0),
             "weight_sync_s": 0.1 if step % 2 == 0 else 0.0,
         })
@@ -94,6 +96,7 @@ def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     profile = fit_profile([str(path)], "synthetic")
     assert profile.step_overhead_s == pytest.approx(0.004) and profile.decode_token_s == pytest.approx(0.0002)
+    assert profile.prefill_token_s == pytest.approx(0.00005)  # the tokens prefilled, new and again after syncs
     assert profile.train_overhead_s == pytest.approx(0.05) and profile.train_token_s == pytest.approx(0.0003)
     assert profile.train_collective_s == pytest.approx(0.02)
     assert profile.weight_sync_s == pytest.approx(0.1)
