@@ -78,7 +78,10 @@ class DecoupledMode(ModeBase):
         self.steps_done = 0
         self.ledger = new_ledger()
         self.shard: TrainerShard | None = None
-        self.leader = Leader(self.control, cfg.training.group_size, self._placement_controller()) if parts.rank == 0 else None
+        controller = self._placement_controller()
+        self.places = controller is not None
+        """Whether a placement controller runs (every trainer rank joins its decision's broadcast)."""
+        self.leader = Leader(self.control, cfg.training.group_size, controller) if parts.rank == 0 else None
         self.shares: list | None = None  # the rollout workers' prompt shares, made once the resume point is known
         # the prompt stream's position for checkpoints (``reflow.modes.resume``)
         self.prompt_frontier = 0
@@ -417,8 +420,7 @@ class DecoupledMode(ModeBase):
 
     def pause_requested(self, row: dict) -> bool:
         """At a sync point, the leader asks the placement controller; every trainer rank learns the answer."""
-        controller_runs = self.parts.schedule or self.parts.cfg.scheduler.adaptive_placement
-        if not controller_runs:
+        if not self.places:
             return False
         if self.leader is not None:
             self.leader.placement_rows.append({**row, "step": self.step})

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import multiprocessing
 import os
@@ -159,8 +160,6 @@ def _measured_detail(metrics_path: str, warmup: int) -> dict:
     """From a benchmark run's metrics.jsonl (steps past warm-up) and ledger: the mean sequences in flight per
     engine step, the weight-sync seconds per step, and the mean admission-to-finish seconds of a sample
     (None where the mode does not measure it: sync mode has no rollout reports and no ledger)."""
-    import glob
-
     rows = [json.loads(line) for line in open(metrics_path)]
     steps = [r for r in rows if "loss" in r and r.get("step", 0) > warmup]
     engine_steps = sum(r.get("rollout_engine_steps", 0) for r in steps)

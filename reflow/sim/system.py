@@ -336,12 +336,10 @@ class DecoupledSim:
 
     def _admit(self, rollout: _Rollout) -> None:
         engine = rollout.engine
-        if not engine.num_active:  # an idle engine that gets work enters the heap of busy engines
-            self._admit_group(rollout)
-            if engine.num_active:
-                heapq.heappush(self.earliest, (max(engine.clock, engine.paused_until), rollout.index))
-            return
+        was_idle = not engine.num_active
         self._admit_group(rollout)
+        if was_idle and engine.num_active:  # an idle engine that gets work enters the heap of busy engines
+            heapq.heappush(self.earliest, (max(engine.clock, engine.paused_until), rollout.index))
 
     def _admit_group(self, rollout: _Rollout) -> None:
         """Start whole groups while the budget has room and the admission rule lets the next one in."""
