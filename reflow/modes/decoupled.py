@@ -39,7 +39,10 @@ from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.modes.transition import change_placement
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
+from reflow.rollout.groups import PromptGroups, evaluate_share
+from reflow.rollout.scoring import TaskScorer
 from reflow.rollout.tensor_parallel import EngineMirror, follow
+from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
 from reflow.trainer.batch import mask_stale_tokens, to_batch
 from reflow.types import EvalShare, Flush, GroupDone, Handover, HeldGroup, Moved, WorkerStats
@@ -357,9 +360,21 @@ class DecoupledMode(ModeBase):
             self.settings.dispatch, index, len(self.rollout_workers), parts.cfg.training.group_size,
             start_step=self.step, dealt=self.dealt_dispatch,
         )
+        cfg, training = parts.cfg, parts.cfg.training
+        num_rollout = len(self.rollout_workers)
+        # evaluation runs on a driver of its own: trajectories of the run waiting on a tool stay in ``parts.turns``
+        eval_turns = TurnDriver(parts.engine, parts.task, parts.tokenizer, cfg.task.tool_workers)
+
+        def evaluate(version: int) -> tuple[float, int]:
+            return evaluate_share(parts, eval_turns, cfg.metrics.eval_num_prompts, index, num_rollout)
+
         return RolloutWorker(
-            parts, self.weight_sync, self.control, self.outbox, budget, self.stream, self.shares[index], index,
-            self.trainer_ranks, len(self.rollout_workers), evaluate_first=self._evaluates_start, carried=self.carried,
+            cfg, parts.engine, parts.turns,
+            PromptGroups(self.stream, self.shares[index], parts.task, parts.tokenizer, training.group_size,
+                         cfg.rollout.max_new_tokens, cfg.job.seed),
+            TaskScorer(parts.task, parts.tokenizer, training.normalize_adv_std, training.advantage_eps),
+            self.weight_sync, self.control, self.outbox, budget, index, self.trainer_ranks,
+            evaluate=evaluate, evaluate_first=self._evaluates_start, carried=self.carried,
         )
 
     @property

@@ -33,33 +33,26 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Callable
 
+from reflow.config.job_config import JobConfig
 from reflow.dataplane.protocols import CommandSource, DataSink
-from reflow.modes.commands import Progress, Stop, SyncWeights, Transition, apply_progress
-from reflow.modes.prompts import PromptShare, PromptStream
+from reflow.modes.commands import Command, Progress, Stop, SyncWeights, Transition, apply_progress
 from reflow.rollout.admission import AdmissionGate
-from reflow.rollout.engine import Request, RolloutEngine
-from reflow.rollout.groups import evaluate_share, make_group_requests
-from reflow.rollout.scoring import assign_advantages, score
-from reflow.rollout.tokenizer import PromptTokenizer
+from reflow.rollout.protocols import Engine, GroupScorer, GroupSource, WeightReceiver
+from reflow.rollout.request import Request
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget
 from reflow.scheduler.routing import ShardRouter
-from reflow.tasks.base import Task
 from reflow.types import EvalShare, GroupDone, HeldGroup, Sample, WorkerStats
-
-if TYPE_CHECKING:
-    from reflow.modes.base import Components
-
 
 
 class GroupAssembler:
     """Collects a group's finished requests; the last one completes the group, which is then scored."""
 
-    def __init__(self, task: Task, tokenizer: PromptTokenizer, group_size: int, normalize_std: bool, eps: float, origin: int):
-        self.task, self.tokenizer = task, tokenizer
-        self.group_size, self.normalize_std, self.eps = group_size, normalize_std, eps
+    def __init__(self, scorer: GroupScorer, group_size: int, origin: int):
+        self.scorer = scorer
+        self.group_size = group_size
         self.origin = origin
         self.partial: dict[str, list[Request]] = {}
 
@@ -70,8 +63,7 @@ class GroupAssembler:
         if len(members) < self.group_size:
             return None
         del self.partial[req.meta["group"]]
-        samples = score(members, self.task, self.tokenizer)
-        assign_advantages(samples, self.normalize_std, self.eps)
+        samples = self.scorer.score(members)
         # a group handed over at a placement change counts against no budget of the new placement (R1)
         origin = -1 if any(member.meta.get("carried") for member in members) else self.origin
         for sample in samples:
@@ -85,44 +77,48 @@ class GroupAssembler:
 
 
 class RolloutWorker:
-    """One rollout rank for one placement: ``run`` returns the command that ended it (Stop or Transition)."""
+    """One rollout rank for one placement: ``run`` returns the command that ended it (Stop or Transition).
+
+    It is written against protocols only (``Engine``, ``GroupSource``, ``GroupScorer``, ``WeightReceiver``,
+    ``CommandSource``, ``DataSink``) and a clock: the live rank runs it over vLLM and the gloo planes on the
+    wall clock, the simulator over simulated engines and in-process queues on its own clock, one ``tick`` at a
+    time (a tick is one pass of the loop above)."""
 
     def __init__(
         self,
-        parts: "Components",
-        weight_sync,
+        cfg: JobConfig,
+        engine: Engine,
+        turns: TurnDriver,
+        groups: GroupSource,
+        scorer: GroupScorer,
+        weight_sync: WeightReceiver,
         control: CommandSource,
         outbox: DataSink,
         budget: DispatchBudget,
-        stream: PromptStream,
-        share: PromptShare,
         rollout_index: int,
         trainer_ranks: list[int],
-        num_rollout: int,
+        evaluate: Callable[[int], tuple[float, int]] | None = None,
         evaluate_first: bool = False,
         carried: list[HeldGroup] | None = None,
+        clock: Callable[[], float] = time.time,
     ):
-        cfg = parts.cfg
         self.cfg = cfg
-        self.parts = parts
-        self.rollout_index, self.num_rollout = rollout_index, num_rollout
-        self.engine: RolloutEngine = parts.engine
-        self.turns = parts.turns
-        # evaluation runs on a driver of its own: trajectories of the run waiting on a tool stay in ``turns``
-        self.eval_turns = TurnDriver(self.engine, parts.task, parts.tokenizer, cfg.task.tool_workers)
+        self.rollout_index = rollout_index
+        self.engine = engine
+        self.turns = turns
+        self.groups_source = groups
+        self.evaluate = evaluate
+        """This worker's share of the held-out evaluation of the engine's policy: (sum of rewards, samples)."""
         self.weight_sync = weight_sync
-        self.task, self.tokenizer = parts.task, parts.tokenizer
         self.trainer_ranks = trainer_ranks
         self.control, self.outbox, self.budget = control, outbox, budget
+        self.clock = clock
         self.router = ShardRouter(len(trainer_ranks), first=rollout_index)
-        self.stream, self.share = stream, share
         self.group_size = cfg.training.group_size
-        self.groups = GroupAssembler(
-            self.task, self.tokenizer, self.group_size, cfg.training.normalize_adv_std, cfg.training.advantage_eps, rollout_index
-        )
+        self.groups = GroupAssembler(scorer, self.group_size, rollout_index)
         self.stats = WorkerStats()  # this window's times (the gate keeps its own counts)
-        self.last_report = time.time()
-        self.gate = AdmissionGate(cfg, self.engine, self.group_size, self.turns)
+        self.last_report = clock()
+        self.gate = AdmissionGate(cfg, engine, self.group_size, turns, clock=clock)
         self._next_group: tuple | None = None  # ((draw, version), its requests) while it waits on the gate
         self.commands: deque = deque()
         self.evaluate_first = evaluate_first
@@ -133,46 +129,63 @@ class RolloutWorker:
         """What it held when a placement change ended it (``run`` returned Transition)."""
         self.ledger: dict = {"started": [], "sent": [], "dropped_at_stop": [], "handed_in": [], "handed_out": []}
 
-    def run(self):
+    def run(self) -> Command:
+        self.start()
+        while True:
+            ended = self.tick()
+            if ended is not None:
+                return ended
+
+    def start(self) -> None:
+        """Before the loop: resume the partial rollouts handed over, evaluate a new run's starting policy."""
         self._resume_carried()
         if self.evaluate_first:
             self._evaluate(self.engine.version)
-        while True:
-            # 1. commands
-            self.commands.extend(self.control.poll())
-            while self.commands:
-                command = self.commands.popleft()
-                if isinstance(command, Stop):
-                    self.ledger["dropped_at_stop"] = [req.request_id for req in self.turns.drop_all()]
-                    self.ledger["dropped_at_stop"] += self.groups.waiting_ids()
-                    self._tell_followers("leave", command)
-                    return command
-                if isinstance(command, Transition):
-                    self.carried_out = self._hold_for_transition()
-                    self._tell_followers("leave", command)
-                    return command
-                if isinstance(command, SyncWeights):
-                    self._sync(command.version)
-                elif isinstance(command, Progress):
-                    apply_progress(command, self.budget, self.router)
-                    self._admit()  # on the weights of now, before a SyncWeights queued behind it applies
-                else:
-                    raise TypeError(f"unknown control command {command!r}")
-            # 2. admit
-            self._admit()
-            # 3. generate, or 4. idle
-            if self.turns.num_active:
-                t0 = time.perf_counter()
-                self._step()
-                self._count_busy(time.perf_counter() - t0)
+
+    def tick(self) -> Command | None:
+        """One pass of the loop: the command that ends the worker (Stop, Transition), or None."""
+        ended = self.take_commands()
+        if ended is None:
+            self.work()
+        return ended
+
+    def take_commands(self) -> Command | None:
+        """1. commands, in the order sent; returns the one that ends the worker, if one came."""
+        self.commands.extend(self.control.poll())
+        while self.commands:
+            command = self.commands.popleft()
+            if isinstance(command, Stop):
+                self.ledger["dropped_at_stop"] = [req.request_id for req in self.turns.drop_all()]
+                self.ledger["dropped_at_stop"] += self.groups.waiting_ids()
+                self._tell_followers("leave", command)
+                return command
+            if isinstance(command, Transition):
+                self.carried_out = self._hold_for_transition()
+                self._tell_followers("leave", command)
+                return command
+            if isinstance(command, SyncWeights):
+                self._sync(command.version)
+            elif isinstance(command, Progress):
+                apply_progress(command, self.budget, self.router)
+                self._admit()  # on the weights of now, before a SyncWeights queued behind it applies
             else:
-                t0 = time.perf_counter()
-                command = self.control.wait(timeout=0.05)
-                self.stats.idle_s += time.perf_counter() - t0
-                if command is not None:
-                    self.commands.append(command)
-            if time.time() - self.last_report > 1.0:
-                self._report()
+                raise TypeError(f"unknown control command {command!r}")
+        return None
+
+    def work(self) -> None:
+        """2. admit, then 3. one engine step, or 4. idle until a command arrives; report about once a second."""
+        self._admit()
+        start = self.clock()
+        if self.turns.num_active:
+            self._step()
+            self._count_busy(self.clock() - start)
+        else:
+            command = self.control.wait(timeout=0.05)
+            self.stats.idle_s += self.clock() - start
+            if command is not None:
+                self.commands.append(command)
+        if self.clock() - self.last_report > 1.0:
+            self._report()
 
     def _tell_followers(self, *call) -> None:
         """A tensor-parallel engine's other ranks make the same calls (``reflow.rollout.tensor_parallel``)."""
@@ -194,7 +207,7 @@ class RolloutWorker:
           3. trajectories at their environment (a tool call, or scoring) come back within its time limit: step
              until none is left there, holding each one that re-enters the engine
           4. every group with a held request, with its members that already finished"""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         sequences = self.engine.num_active
         started = self.turns.step_until_started()
         self.gate.after_step([len(req.output_ids) for req in started], sequences)
@@ -205,7 +218,7 @@ class RolloutWorker:
             for req in self.turns.step():
                 self._finished(req)
             held += self.turns.hold_all()
-        self._count_busy(time.perf_counter() - t0)
+        self._count_busy(self.clock() - t0)
         groups: dict[str, HeldGroup] = {}
         for req in held:
             group = req.meta["group"]
@@ -231,14 +244,14 @@ class RolloutWorker:
         self.carried_in = []
 
     def _sync(self, version: int) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         sequences = self.engine.num_active
         started = self.turns.step_until_started()  # I1: every token of an admitted request is from its admission version on
         self.gate.after_step([len(req.output_ids) for req in started], sequences)
         for req in started:
             self._finished(req)
         held = self.turns.hold_all()  # trajectories waiting on a tool stay there, and resume under version v
-        self._count_busy(time.perf_counter() - t0)
+        self._count_busy(self.clock() - t0)
         self._tell_followers("sync", version)
         self.weight_sync.sync(None, self.engine, version)
         self._evaluate(version)
@@ -253,12 +266,12 @@ class RolloutWorker:
         prompts, one sample each at the rollout temperature, with the engine holding nothing else (the partial
         rollouts wait until it is done): a measure of exactly policy ``version``. The trainer does not wait
         for it; trainer rank 0 logs the mean once every rollout rank's share has arrived."""
-        metrics = self.cfg.metrics
-        if not metrics.eval_interval or version % metrics.eval_interval:
+        interval = self.cfg.metrics.eval_interval
+        if self.evaluate is None or not interval or version % interval:
             return
-        t0 = time.perf_counter()
-        total, count = evaluate_share(self.parts, self.eval_turns, metrics.eval_num_prompts, self.rollout_index, self.num_rollout)
-        self.stats.busy_s += time.perf_counter() - t0
+        t0 = self.clock()
+        total, count = self.evaluate(version)
+        self.stats.busy_s += self.clock() - t0
         self.outbox.put(self.control.leader, EvalShare(version, total, count))
 
     def _step(self) -> None:
@@ -272,24 +285,19 @@ class RolloutWorker:
     def _admit(self) -> None:
         """Start whole groups while the dispatch budget has room and the admission gate (the concurrency cap, and
         the KV rule when on) lets the next one in."""
-        cfg = self.cfg
         while True:
             if not self.budget.can_start():  # R1: the window (and in reflow B_max)
                 return
-            key = (self.share.peek(), self.engine.version)  # the seeds follow the version it starts under
+            key = (self.groups_source.peek(), self.engine.version)  # the seeds follow the version it starts under
             if self._next_group is None or self._next_group[0] != key:
-                draw = self.share.peek()
-                self._next_group = key, make_group_requests(
-                    self.stream.problem_at(draw), draw, self.task, self.tokenizer, self.group_size,
-                    cfg.rollout.max_new_tokens, cfg.job.seed, self.engine.version,
-                )
+                self._next_group = key, self.groups_source.requests(*key)
             requests = self._next_group[1]
             if not self.gate.allows(len(requests[0].prompt_ids)):
                 return  # it waits for the next step (trajectories are in flight, in the engine or at a tool:
                 # the gate admits anything when nothing is)
-            self.share.take()
+            self.groups_source.take()
             self._next_group = None
-            now = time.time()
+            now = self.clock()
             for req in requests:
                 req.meta.update(admitted_at=now)
                 self.turns.add(req)
@@ -303,7 +311,7 @@ class RolloutWorker:
             return
         destination = self.trainer_ranks[self.router.choose(len(samples))]  # R4: bound to a shard on arrival
         self.outbox.put(destination, GroupDone(samples))
-        now = time.time()
+        now = self.clock()
         self.ledger["sent"].extend(
             {"uid": s.uid, "to": destination, "admitted_at": req.meta["admitted_at"], "finished_at": now,
              "response_len": len(s.output_ids), "finish_version": s.finish_version}
@@ -314,5 +322,5 @@ class RolloutWorker:
         window = self.stats + self.gate.report()
         self.outbox.put(self.control.leader, dataclasses.replace(window, load=self.gate.load(started=self.budget.started)))
         self.stats = WorkerStats()
-        self.last_report = time.time()
+        self.last_report = self.clock()
 

@@ -19,10 +19,10 @@ admission attempt the gate turned down: a group waits on it, and the worker retr
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from reflow.config.job_config import JobConfig
-from reflow.rollout.engine import RolloutEngine
+from reflow.rollout.protocols import Engine
 from reflow.scheduler.concurrency import (
     AdmissionRule,
     CapDecision,
@@ -40,9 +40,14 @@ if TYPE_CHECKING:
 
 
 class AdmissionGate:
-    def __init__(self, cfg: JobConfig, engine: RolloutEngine, group_size: int, turns: "TurnDriver | None" = None):
+    def __init__(
+        self, cfg: JobConfig, engine: Engine, group_size: int, turns: "TurnDriver | None" = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         scheduler = cfg.scheduler
         self.engine = engine
+        self.clock = clock
+        """The controller's time (the simulator's clock in a simulation)."""
         self.turns = turns
         """The worker's turn driver, whose trajectories waiting on a tool count as in flight (None: the engine's only)."""
         self.group_size = group_size
@@ -54,7 +59,7 @@ class AdmissionGate:
                 ConcurrencySettings(alpha=scheduler.alpha, interval_s=scheduler.interval_s, min_cap=group_size, max_cap=max_cap),
                 initial_cap=max_cap,
             ) if scheduler.adaptive_concurrency else None,
-            KVAdmission(scheduler.rho, self.lengths, block_size=engine.signal_reader.block_size) if scheduler.kv_admission else None,
+            KVAdmission(scheduler.rho, self.lengths, block_size=engine.block_size) if scheduler.kv_admission else None,
         )
         self.controller = self.rule.controller
         self.decisions: list[CapDecision] = []
@@ -102,17 +107,18 @@ class AdmissionGate:
         return WorkerReport(load, estimate, started)
 
     def after_step(self, finished_lengths: list[int], sequences: int) -> None:
-        """After every engine step over ``sequences`` sequences: learn the finished lengths, feed the controller
-        the engine's signals."""
+        """After every engine step over ``sequences`` sequences (its ``decode_steps`` decode steps): learn the
+        finished lengths, feed the controller the engine's signals."""
         for length in finished_lengths:
             self.lengths.add(length)
         signals = self.engine.signals
-        self.window["kv_usage_sum"] += signals.kv_usage
-        self.window["engine_steps"] += 1
-        self.window["step_sequences"] += sequences
+        steps = self.engine.decode_steps
+        self.window["kv_usage_sum"] += signals.kv_usage * steps
+        self.window["engine_steps"] += steps
+        self.window["step_sequences"] += sequences * steps
         if self.controller is not None:
             decision = self.controller.observe(
-                time.perf_counter(), signals.kv_usage, signals.kv_budget_tokens, len(self._in_flight()), signals.preemptions
+                self.clock(), signals.kv_usage, signals.kv_budget_tokens, len(self._in_flight()), signals.preemptions
             )
             if decision is not None and decision.reason != "hold":
                 self.decisions.append(decision)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import Recipe
 from reflow.rollout.kv_signals import EngineSignalReader, EngineSignals
+from reflow.rollout.request import Request
 from reflow.rollout.tensor_parallel import EngineMirror
 
 logger = logging.getLogger("reflow")
@@ -48,52 +48,12 @@ class _RopeReloadFilter(logging.Filter):
         return not (record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage())
 
 
-@dataclass
-class Request:
-    """A sample-level generation request (one completion of one prompt)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    seed: int
-    meta: dict = field(default_factory=dict)
-    ignore_eos: bool = False
-    """Generate exactly max_tokens (synthetic workloads with a chosen length distribution: benchmarks)."""
-    stop: tuple[str, ...] = ()
-    """Strings that end a model turn (a multi-turn task's tool call); the string is kept in the output."""
-    # filled while generating
-    output_ids: list[int] = field(default_factory=list)
-    """The response: the model's tokens and, in a multi-turn trajectory, the environment's between its turns."""
-    logprobs: list[float] = field(default_factory=list)
-    """One per model token (``model_spans``), in order: the environment's tokens have none."""
-    versions: list[int] = field(default_factory=list)
-    """The policy version that produced each model token."""
-    model_spans: list[list[int]] = field(default_factory=list)
-    """[start, end) ranges of ``output_ids`` the model generated, one per model turn."""
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    """The stop string (or token) that ended the latest model turn; None at EOS or the length limit."""
-    reward: float | None = None
-    """Set by ``reflow.rollout.turns`` when it scored the finished trajectory (multi-turn tasks)."""
-    tool_calls: int = 0
-    tool_s: float = 0.0
-    """Wall time the trajectory spent waiting on its environment, apart from engine time."""
-
-    def append_model_tokens(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
-        start = len(self.output_ids)
-        self.output_ids.extend(token_ids)
-        self.logprobs.extend(logprobs)
-        self.versions.extend([version] * len(token_ids))
-        if self.model_spans and self.model_spans[-1][1] == start:
-            self.model_spans[-1][1] = len(self.output_ids)
-        elif token_ids:
-            self.model_spans.append([start, len(self.output_ids)])
-
-    def append_environment_tokens(self, token_ids: list[int]) -> None:
-        self.output_ids.extend(token_ids)
-
-
 class RolloutEngine:
+    """The embedded vLLM engine as an ``Engine`` (``reflow.rollout.protocols``)."""
+
+    decode_steps = 1
+    """Decode steps one ``step`` runs."""
+
     def __init__(self, cfg: JobConfig, recipe: Recipe, hf_dir: str, seed: int):
         set_vllm_env(cfg)
         from vllm import LLM
@@ -136,6 +96,7 @@ class RolloutEngine:
         self.build_time_s = time.time() - t0
         self.signal_reader = EngineSignalReader(self.llm)
         self.signals: EngineSignals = self.signal_reader.read()
+        self.block_size = self.signal_reader.block_size
         """KV usage, request counts and preemptions after the latest step (``reflow.rollout.kv_signals``)."""
         self.cfg = cfg
         self.version = 0
@@ -187,6 +148,11 @@ class RolloutEngine:
     @property
     def num_active(self) -> int:
         return len(self.active)
+
+    def resume(self, held: Iterable[Request]) -> None:
+        """Held partial rollouts back in: each prefilled again over its prompt and prefix."""
+        for req in held:
+            self.add(req)
 
     def step(self) -> list[Request]:
         """One engine step; returns the requests that finished in it."""

@@ -1,14 +1,19 @@
-"""GRPO request groups: the G sampling requests of one prompt (seeded per sample and version), and the
-held-out evaluation of one rank's share of the eval prompts."""
+"""GRPO request groups: the G sampling requests of one prompt (seeded per sample and version), a rollout
+worker's source of them (``PromptGroups``, a ``GroupSource``), and the held-out evaluation of one rank's share
+of the eval prompts."""
 
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
-from reflow.rollout.engine import Request
+from reflow.rollout.request import Request
 from reflow.rollout.scoring import score
 from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.tasks.base import Problem, Task
+
+if TYPE_CHECKING:
+    from reflow.modes.prompts import PromptShare, PromptStream
 
 
 def request_seed(job_seed: int, uid: str, sample: int, version: int) -> int:
@@ -35,6 +40,30 @@ def make_group_requests(
         )
         for k in range(group_size)
     ]
+
+
+class PromptGroups:
+    """A rollout worker's groups, live: its share of the run's prompt stream, each draw's problem formatted and
+    tokenized by the task, G requests seeded by the version they start under."""
+
+    def __init__(
+        self, stream: "PromptStream", share: "PromptShare", task: Task, tokenizer: PromptTokenizer, group_size: int,
+        max_tokens: int, job_seed: int,
+    ):
+        self.stream, self.share, self.task, self.tokenizer = stream, share, task, tokenizer
+        self.group_size, self.max_tokens, self.job_seed = group_size, max_tokens, job_seed
+
+    def peek(self) -> int:
+        return self.share.peek()
+
+    def take(self) -> int:
+        return self.share.take()
+
+    def requests(self, draw: int, version: int) -> list[Request]:
+        return make_group_requests(
+            self.stream.problem_at(draw), draw, self.task, self.tokenizer, self.group_size, self.max_tokens,
+            self.job_seed, version,
+        )
 
 
 def evaluate_share(parts, turns, num_prompts: int, index: int, count: int) -> tuple[float, int]:

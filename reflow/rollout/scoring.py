@@ -15,7 +15,7 @@ from reflow.tasks.base import Task
 from reflow.types import Sample
 
 if TYPE_CHECKING:
-    from reflow.rollout.engine import Request
+    from reflow.rollout.request import Request
     from reflow.rollout.tokenizer import PromptTokenizer
 
 
@@ -44,6 +44,18 @@ def score(requests: list[Request], task: Task, tok: PromptTokenizer) -> list[Sam
             )
         )
     return out
+
+
+class TaskScorer:
+    """A finished group scored by the task's reward (``score``) with GRPO's advantages (a ``GroupScorer``)."""
+
+    def __init__(self, task: Task, tokenizer: "PromptTokenizer", normalize_std: bool, eps: float):
+        self.task, self.tokenizer, self.normalize_std, self.eps = task, tokenizer, normalize_std, eps
+
+    def score(self, members: "list[Request]") -> list[Sample]:
+        samples = score(members, self.task, self.tokenizer)
+        assign_advantages(samples, self.normalize_std, self.eps)
+        return samples
 
 
 def assign_advantages(samples: list[Sample], normalize_std: bool, eps: float) -> None:

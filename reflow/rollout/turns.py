@@ -31,7 +31,8 @@ import concurrent.futures as futures
 import time
 from typing import TYPE_CHECKING, Iterable
 
-from reflow.rollout.engine import Request, RolloutEngine
+from reflow.rollout.protocols import Engine
+from reflow.rollout.request import Request
 from reflow.rollout.scoring import trajectory_reward
 from reflow.tasks.base import Task
 
@@ -40,10 +41,11 @@ if TYPE_CHECKING:
 
 
 class TurnDriver:
-    def __init__(self, engine: RolloutEngine, task: Task, tokenizer: "PromptTokenizer", workers: int = 8):
+    def __init__(self, engine: Engine, task: Task | None, tokenizer: "PromptTokenizer | None", workers: int = 8):
+        """``task`` None: single-turn requests only (the simulator, whose engine models tool turns itself)."""
         self.engine = engine
         self.task = task
-        self.environment = task.environment
+        self.environment = task.environment if task is not None else None
         self.tokenizer = tokenizer
         self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool") if self.environment else None
         self.waiting: dict[futures.Future, Request] = {}
@@ -110,8 +112,7 @@ class TurnDriver:
         return self.engine.hold_all()
 
     def resume(self, held: Iterable[Request]) -> None:
-        for req in held:
-            self.engine.add(req)
+        self.engine.resume(held)
 
     def drop_all(self) -> list[Request]:
         """Stop everything (the end of a run): the engine's requests and those waiting on a tool (their answers

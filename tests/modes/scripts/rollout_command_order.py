@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from types import SimpleNamespace
 
 from safetensors.torch import load_file
 
@@ -21,6 +20,8 @@ from reflow.modes.commands import Progress, Stop, SyncWeights
 from reflow.modes.prompts import PromptStream, initial_shares
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.rollout.engine import RolloutEngine
+from reflow.rollout.groups import PromptGroups
+from reflow.rollout.scoring import TaskScorer
 from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget, DispatchRule
@@ -76,10 +77,13 @@ class ScriptedControl:
 
 outbox = CollectingOutbox()
 task, tokenizer = build_task(cfg.task), PromptTokenizer(hf)
-parts = SimpleNamespace(cfg=cfg, engine=engine, turns=TurnDriver(engine, task, tokenizer), task=task, tokenizer=tokenizer)
 budget = DispatchBudget(DispatchRule(window=4), 0, 1, group_size=2)  # one_step_off's window of 2 batches
 stream = PromptStream(load_problems(resolve_path(cfg.task.train_file)), 0)
-worker = RolloutWorker(parts, SameWeights(), ScriptedControl(outbox), outbox, budget, stream, initial_shares(1)[0], 0, [0], 1)
+groups = PromptGroups(stream, initial_shares(1)[0], task, tokenizer, 2, cfg.rollout.max_new_tokens, cfg.job.seed)
+worker = RolloutWorker(
+    cfg, engine, TurnDriver(engine, task, tokenizer), groups, TaskScorer(task, tokenizer, cfg.training.normalize_adv_std, cfg.training.advantage_eps), SameWeights(),
+    ScriptedControl(outbox), outbox, budget, 0, [0],
+)
 worker.run()
 report = {
     "groups": len(outbox.groups),
