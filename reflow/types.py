@@ -63,15 +63,17 @@ class Sample:
 
     @property
     def birth_version(self) -> int:
-        """Version of the policy that produced the oldest token (min over tokens)."""
-        return min(self.versions) if self.versions else -1
+        """Version of the policy that produced the oldest token. Tokens are generated in order and an engine's
+        version only grows, so ``versions`` is non-decreasing and the oldest is the first (read per sample at
+        every readiness check: O(1), not a scan of the response)."""
+        return self.versions[0] if self.versions else -1
 
     @property
     def completed_version(self) -> int:
         """Version at which its group finished."""
         if self.finish_version >= 0:
             return self.finish_version
-        return max(self.versions) if self.versions else -1
+        return self.versions[-1] if self.versions else -1
 
     def anchor_version(self, anchor: str) -> int:
         """The version its staleness counts from: ``finish`` (its group's completion) or ``start`` (its birth)."""

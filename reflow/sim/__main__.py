@@ -97,6 +97,7 @@ def cmd_validate(args) -> int:
             steps=int(round(measured["steps"])), replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
             sigma=cfg.replay.sigma, tau=cfg.replay.tau, delta=cfg.replay.delta,
             interval=1 if mode == "sync" else cfg.weight_sync.interval, b_max=cfg.rollout.b_max, warmup_steps=bench["warmup"],
+            macro_steps=1,  # the live engine's granularity: admission and commands after every decode step
         ), profile, workload)
         throughput = abs(sim["tokens_per_s"] - measured["tokens_per_s"]) / measured["tokens_per_s"]
         idle = max(abs(sim["trainer_idle_ratio"] - measured["trainer_idle_ratio"]),

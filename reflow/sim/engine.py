@@ -1,111 +1,187 @@
-"""A simulated rollout engine: continuous batching over a paged KV cache, as vLLM's V1 scheduler does it.
+"""A simulated rollout engine: continuous batching over a paged KV cache, as vLLM's V1 scheduler does it, behind
+the live ``Engine`` protocol (``reflow.rollout.protocols``), so that the live ``RolloutWorker`` drives it.
 
-Each engine has its own clock and advances in *macro-steps* of up to ``max_steps`` decode steps (fewer if a
-sequence finishes, a tool call starts or the cache would overflow first), each costed by the profile. The
-scheduler moves waiting sequences (new, or preempted) into the running set while the KV cache has blocks
-and the running set has room; when a running sequence needs a block that is not there, the newest running
-sequence is preempted (its blocks freed; it waits and its prefix is recomputed, costed as prefill). A group's
-prompt blocks that are full are shared by its sequences (the prefix cache).
+It takes and returns the live ``Request``; what the simulation needs of one beyond that (the response length
+the workload drew, its tool calls) rides in ``request.meta["sim"]`` (``SimTrajectory``). Each engine has its
+own clock and advances in *macro-steps* of up to ``max_steps`` decode steps (fewer if a sequence finishes, a
+tool call starts, the cache would overflow or the clock would pass ``until`` first), each costed by the
+profile; ``step_until_started`` runs single decode steps, as the live engine's first-token steps are. The
+scheduler moves waiting sequences (new, resumed or preempted) into the running set while the KV cache has
+blocks and the running set has room; when a running sequence needs a block that is not there, the newest
+running sequence is preempted (its blocks freed; it waits and its prefix is recomputed, costed as prefill).
+A group's prompt blocks that are full are shared by its sequences (the prefix cache). A weight reload
+empties the prefix cache: every request resumed after it prefills its prompt and prefix again.
+
+A sequence at its tool stays in the engine (``in_tool``, holding its KV blocks) until the tool's latency has
+passed; the live turn driver takes it out of the engine meanwhile, and resumes it from its prefix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
+from reflow.rollout.kv_signals import EngineSignals
+from reflow.rollout.request import Request
 from reflow.sim.profiles import CostProfile
+
+_ZEROS = [0] * 4096
 
 
 @dataclass
-class SimSequence:
-    uid: str
-    group: str
-    draw: int
-    prompt_tokens: int
+class SimTrajectory:
+    """What the simulation knows of a request beyond the live fields (``request.meta["sim"]``), and the counts
+    the engine's inner loops read instead of the request's lists (the simulator's hottest code)."""
+
     target_tokens: int
-    birth_version: int
-    origin: int
-    generated: int = 0
+    """The response length the workload drew: the request finishes there."""
     turn_points: list[int] = field(default_factory=list)
     """Response lengths at which the sequence calls its tool (and waits ``tool_latency_s`` for it)."""
     tool_latency_s: float = 0.0
     resume_at: float = 0.0
     needs_prefill: int = 0
     """Tokens to (re)compute when next scheduled."""
-    admitted_at: float = 0.0
-    """Simulated time it was admitted (for the admission-to-finish latency)."""
+    request: Request | None = field(default=None, repr=False)
+    prompt_tokens: int = 0
+    generated: int = 0
+    """``len(request.prompt_ids)``, ``len(request.output_ids)``: set when an engine takes the request."""
 
     @property
     def remaining(self) -> int:
         return self.target_tokens - self.generated
 
 
+def trajectory(req: Request) -> SimTrajectory:
+    return req.meta["sim"]
+
+
 class SimEngine:
+    """An ``Engine`` on a simulated clock (``clock``, advanced by its own steps and by ``wait_until``)."""
+
+    mirror = None
+
     def __init__(self, profile: CostProfile, index: int, max_steps: int = 32):
         self.profile = profile
         self.index = index
         self.max_steps = max_steps
+        self.block_size = profile.kv_block_size
         self.clock = 0.0
-        self.paused_until = 0.0
+        self.until = float("inf")
+        """No macro-step runs past this time (the simulator sets it while the trainer trains)."""
         self.version = 0
-        self.running: list[SimSequence] = []
-        self.waiting: list[SimSequence] = []
-        self.in_tool: list[SimSequence] = []
+        self.running: list[SimTrajectory] = []
+        self.waiting: list[SimTrajectory] = []
+        self.in_tool: list[SimTrajectory] = []
+        self.active: dict[str, Request] = {}
+        self.decode_steps = 0
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.engine_steps = 0
         self.step_sequences = 0
         self.preemptions = 0
+        self.prefilled_tokens = 0
         self.kv_usage_sum = 0.0
         self.budget_blocks = profile.kv_budget_tokens // profile.kv_block_size
+        self.signals = self._signals()
 
     # ---- KV accounting -----------------------------------------------------------
 
-    def _blocks(self, sequences: list[SimSequence], extra: int = 0) -> int:
+    def _blocks(self, sequences: list[SimTrajectory], extra: int = 0) -> int:
         """Blocks ``sequences`` hold after ``extra`` more tokens each (full prompt blocks shared per group)."""
-        size = self.profile.kv_block_size
+        size = self.block_size
         shared: dict[str, int] = {}
         total = 0
         for seq in sequences:
             full, rest = divmod(seq.prompt_tokens, size)
-            shared[seq.group] = full
+            shared[seq.request.meta["group"]] = full
             total += -(-(rest + seq.generated + extra) // size)
         return total + sum(shared.values())
+
+    def _fits(self, sequences: list[SimTrajectory], extra: int) -> bool:
+        """``_blocks(sequences, extra) <= budget``, with a quick bound first: without sharing, each sequence holds
+        at most one block more than its tokens fill."""
+        tokens = sum(seq.prompt_tokens + seq.generated for seq in sequences) + extra * len(sequences)
+        if tokens // self.block_size + len(sequences) <= self.budget_blocks:
+            return True
+        return self._blocks(sequences, extra) <= self.budget_blocks
 
     def kv_usage(self) -> float:
         return min(1.0, self._blocks(self.running + self.in_tool) / max(self.budget_blocks, 1))
 
+    def _signals(self, kv_usage: float | None = None) -> EngineSignals:
+        return EngineSignals(
+            kv_usage=self.kv_usage() if kv_usage is None else kv_usage, kv_budget_tokens=self.profile.kv_budget_tokens,
+            running=len(self.running), waiting=len(self.waiting), preemptions=self.preemptions,
+        )
+
     @property
     def num_active(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self.in_tool)
+        return len(self.active)
 
     def context_tokens(self) -> int:
         return sum(seq.prompt_tokens + seq.generated for seq in self.running)
 
-    # ---- scheduling ----------------------------------------------------------------
+    # ---- the Engine protocol -------------------------------------------------------
 
-    def add(self, sequences: list[SimSequence]) -> None:
-        for seq in sequences:
-            seq.needs_prefill = seq.prompt_tokens
-        self.waiting.extend(sequences)
+    def add(self, req: Request) -> None:
+        """Queue a request; one with output already (a held partial rollout) prefills its prompt and prefix
+        again, and one whose tool has not answered yet waits for it first."""
+        seq = trajectory(req)
+        seq.request, seq.prompt_tokens, seq.generated = req, len(req.prompt_ids), len(req.output_ids)
+        if seq.remaining <= 0:
+            raise ValueError(f"request {req.request_id} has no tokens left to generate")
+        seq.needs_prefill = seq.prompt_tokens + seq.generated
+        self.active[req.request_id] = req
+        (self.in_tool if seq.resume_at > self.clock else self.waiting).append(seq)
 
-    def reload_weights(self) -> None:
-        """A weight sync: the live engine resets its prefix cache, so every sequence in flight prefills its prompt
-        and generated prefix again when it next runs (partial rollouts keep their tokens)."""
-        for seq in self.running + self.waiting:
-            seq.needs_prefill = seq.prompt_tokens + seq.generated
+    def resume(self, held: Iterable[Request]) -> None:
+        for req in held:
+            self.add(req)
 
-    def hold_all(self) -> list[SimSequence]:
-        """A placement change: stop everything in flight, keeping each sequence's tokens (to resume here or on
-        another engine, which prefills its prompt and prefix again)."""
-        held = self.running + self.waiting + self.in_tool
+    def step(self) -> list[Request]:
+        """One macro-step, not past ``until``; returns the requests that finished. With nothing to run (every
+        sequence at its tool) the engine idles to the first tool's return, or ``until``."""
+        return self._step(self.max_steps)
+
+    def step_until_started(self) -> list[Request]:
+        """Single decode steps until every request in flight has a token (``RolloutEngine.step_until_started``);
+        a sequence at its tool has tokens already."""
+        finished: list[Request] = []
+        while any(not req.output_ids for req in self.active.values()):
+            finished += self._step(1, ignore_until=True)
+        return finished
+
+    def hold_all(self) -> list[Request]:
+        """Stop everything in flight, keeping each request's tokens (to resume here or on another engine)."""
+        held = list(self.active.values())
         self.running, self.waiting, self.in_tool = [], [], []
-        for seq in held:
-            seq.needs_prefill = seq.prompt_tokens + seq.generated
+        self.active = {}
         return held
 
-    def resume(self, sequences: list[SimSequence]) -> None:
-        """Held sequences, from this engine or another: they wait to be scheduled, their prefill pending."""
-        self.waiting.extend(sequences)
+    def load_weights(self, named_tensors, version: int) -> float:
+        """A weight sync (nothing is in flight: the worker held it): later tokens carry ``version``."""
+        self.version = version
+        return 0.0
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    # ---- the simulated clock -------------------------------------------------------------
+
+    def wait_until(self, moment: float) -> None:
+        """Idle to ``moment`` (a weight sync's barrier, a placement change, a command arriving)."""
+        if moment > self.clock:
+            self.idle_s += moment - self.clock
+            self.clock = moment
+
+    def next_wakeup(self) -> float | None:
+        """When a sequence waiting on its tool comes back (None if none is)."""
+        return min((seq.resume_at for seq in self.in_tool), default=None)
+
+    # ---- scheduling ----------------------------------------------------------------
 
     def _schedule(self) -> None:
         back = [seq for seq in self.in_tool if seq.resume_at <= self.clock]
@@ -113,40 +189,29 @@ class SimEngine:
             self.in_tool = [seq for seq in self.in_tool if seq.resume_at > self.clock]
             self.running.extend(back)
         while self.waiting and len(self.running) < self.profile.max_num_seqs:
-            if self._blocks(self.running + self.in_tool + self.waiting[:1], extra=1) > self.budget_blocks:
+            if not self._fits(self.running + self.in_tool + self.waiting[:1], extra=1):
                 break
             self.running.append(self.waiting.pop(0))
 
-    def next_wakeup(self) -> float | None:
-        """When a sequence waiting on its tool comes back (None if none is)."""
-        return min((seq.resume_at for seq in self.in_tool), default=None)
-
-    def step(self, until: float) -> list[SimSequence] | None:
-        """One macro-step starting at ``max(clock, paused_until)``, not past ``until``. Returns the sequences
-        that finished, or None when there was nothing to run (the engine idles to ``until`` or its next tool
-        return, whichever is first)."""
-        start = max(self.clock, self.paused_until)
-        if start > self.clock:
-            self.idle_s += start - self.clock  # a weight sync held it
-            self.clock = start
+    def _step(self, max_steps: int, ignore_until: bool = False) -> list[Request]:
+        until = float("inf") if ignore_until else self.until
+        self.decode_steps = 0
         self._schedule()
         while not self.running and self.waiting and not self.in_tool:
             # nothing fits even alone: run the oldest waiting sequence anyway (vLLM would too)
             self.running.append(self.waiting.pop(0))
         if not self.running:
             wake = self.next_wakeup()
-            target = until if wake is None else min(until, wake)
-            if target > self.clock:
-                self.idle_s += target - self.clock
-                self.clock = target
-            return None
-        steps = min(self.max_steps, min(seq.remaining for seq in self.running))
+            self.wait_until(until if wake is None else min(until, wake))
+            return []
+        steps = min(max_steps, min(seq.remaining for seq in self.running))
         for seq in self.running:
-            upcoming = [point - seq.generated for point in seq.turn_points if point > seq.generated]
-            if upcoming:
-                steps = min(steps, min(upcoming))
+            for point in seq.turn_points:  # (empty without tool turns)
+                if point > seq.generated:
+                    steps = min(steps, point - seq.generated)
+                    break
         # the cache: shorten the macro-step, or preempt the newest sequence when even one step overflows
-        while self._blocks(self.running + self.in_tool, extra=steps) > self.budget_blocks:
+        while not self._fits(self.running + self.in_tool, extra=steps):
             if steps > 1:
                 steps = max(1, steps // 2)
                 continue
@@ -156,10 +221,12 @@ class SimEngine:
             self.preemptions += 1
             if not self.running:
                 return []
-        prefill = sum(seq.needs_prefill for seq in self.running)
+        prefill = context = 0
         for seq in self.running:
+            prefill += seq.needs_prefill
+            context += seq.prompt_tokens + seq.generated
             seq.needs_prefill = 0
-        n, context = len(self.running), self.context_tokens()
+        n = len(self.running)
         profile = self.profile
         seconds = steps * profile.step_seconds(n, context) + profile.context_token_s * n * steps * (steps - 1) / 2
         seconds += prefill * profile.prefill_token_s
@@ -167,17 +234,47 @@ class SimEngine:
             fit = max(1, int(steps * (until - self.clock) / seconds))
             seconds *= fit / steps
             steps = fit
+        # one pass over the running sequences: their tokens and versions (``Request.append_model_tokens``, inlined:
+        # the simulator's hottest loop; simulated tokens have no log-probs, and every one is the model's, so
+        # ``model_spans`` is not kept), the KV blocks the step held (``_blocks``), and who finished or calls a tool
+        tokens, versions = _ZEROS[:steps], [self.version] * steps
+        size = self.block_size
+        shared: dict[str, int] = {}
+        blocks = 0
+        for seq in self.in_tool:
+            full, rest = divmod(seq.prompt_tokens, size)
+            shared[seq.request.meta["group"]] = full
+            blocks += -(-(rest + seq.generated) // size)
+        finished, tool, running = [], [], []
         for seq in self.running:
+            req = seq.request
+            req.output_ids += tokens
+            req.versions += versions
             seq.generated += steps
-        self.kv_usage_sum += self.kv_usage() * steps
+            full, rest = divmod(seq.prompt_tokens, size)
+            shared[req.meta["group"]] = full
+            blocks += -(-(rest + seq.generated) // size)
+            if seq.generated >= seq.target_tokens:
+                req.finish_reason = "length" if seq.generated >= req.max_tokens else "stop"
+                del self.active[req.request_id]
+                finished.append(req)
+            elif seq.turn_points and seq.generated in seq.turn_points:
+                seq.resume_at = self.clock + seconds + seq.tool_latency_s
+                req.tool_calls += 1
+                req.tool_s += seq.tool_latency_s
+                tool.append(seq)
+            else:
+                running.append(seq)
+        blocks += sum(shared.values())
+        self.prefilled_tokens += prefill
+        usage = min(1.0, blocks / max(self.budget_blocks, 1))  # what the step held, before the finished leave
+        self.kv_usage_sum += usage * steps
         self.clock += seconds
         self.busy_s += seconds
+        self.decode_steps = steps
         self.engine_steps += steps
         self.step_sequences += n * steps
-        finished = [seq for seq in self.running if seq.remaining <= 0]
-        tool = [seq for seq in self.running if seq.remaining > 0 and seq.generated in seq.turn_points]
-        for seq in tool:
-            seq.resume_at = self.clock + seq.tool_latency_s
-        self.running = [seq for seq in self.running if seq.remaining > 0 and seq not in tool]
+        self.running = running
         self.in_tool.extend(tool)
+        self.signals = self._signals(usage if not finished and not tool else None)
         return finished

@@ -1,64 +1,62 @@
-"""The whole system in simulated time. The trainer side is the live roles themselves: one ``TrainerShard`` per
-shard (receive, evict, readiness, moves, plan, retire) and the ``Leader`` (Progress, the global dispatcher,
-the placement controller), whose Progress words reach each simulated rollout worker at once through
-``apply_progress``, the live rollout worker's function. The rollout side is simulated engines under the live
-scheduling classes (``DispatchBudget``, ``ShardRouter``, ``ConcurrencyController``, ``KVAdmission``), and the
-rule is ``resolve_settings``'s, so the simulator runs the decisions the live system runs, at 8 to 128 GPUs.
+"""The whole system in simulated time, run by the live roles themselves: one ``TrainerShard`` per shard
+(receive, evict, readiness, moves, plan, retire), the ``Leader`` (Progress, the global dispatcher, the
+placement controller) and one live ``RolloutWorker`` per rollout rank (commands, admission gate, dispatch
+budget, router, group assembly, partial rollouts at syncs and placement changes), over simulated engines
+(``reflow.sim.engine.SimEngine``, a live ``Engine``) and an in-process transport, on a simulated clock. What
+is simulated is the engines' and the trainer's time, the workload (``SimGroups``: response lengths drawn from
+it) and the rewards (``SimScorer``); every decision is the live code's, with ``resolve_settings``'s rule.
 
 Decoupled modes, one trainer step (``DecoupledSim.run``):
 
-  1. wait     advance the engine with the earliest clock, one macro-step at a time, delivering each finished
-              group (stamped with its finish version) to the shard the router picks, until every shard can
-              serve exactly b/A samples (the trainer waits); shards short of samples take others' surplus
-              (``TrainerView.moves``, as the live readiness exchange computes them)
+  1. wait     tick the rollout worker whose engine clock is earliest (one engine step, admission, commands),
+              delivering each finished group to the shard its router picks, until every shard can serve
+              exactly b/A samples (the trainer waits); every arrival runs the readiness exchange: the
+              leader's Progress goes out and shards short of samples take others' surplus
+              (``TrainerView.moves``)
   2. train    plan every shard's batch (fresh earliest deadline first, replayed up to sigma), train for the
-              slowest rank's tokens while every engine runs on to the end of the step
-  3. retire   first uses retire their samples; the leader publishes Progress, and with scheduler.kv_admission
-              its dispatcher deals the new room by the engines' KV loads
-  4. sync     every k steps: the trainer and every engine pause for the weight sync; engines admit new
-              groups at the new version, sequences in flight keep their birth version (partial rollouts) and
-              prefill their prompt and prefix again (the live engine resets its prefix cache)
-  5. place    at sync points the placement controller (the planner) may move ranks: every engine holds what
-              it has in flight, the transition costs the profile's seconds, leaving shards hand their samples
-              to staying ones, the held groups are dealt to the new engines (``deal_groups``, as
-              ``change_placement``) and budgets restart at this step
+              slowest rank's tokens plus the profile's fixed costs, while every worker runs on to the end of it
+  3. retire   first uses retire their samples
+  4. sync     every k steps: SyncWeights to every worker, which takes its first-token steps, holds what is in
+              flight and joins; the sync ends weight_sync_s after the last one joined (trainer included), and
+              the held requests resume, prefilling prompt and prefix again (a reload resets the prefix cache)
+  5. progress the leader's Progress (with scheduler.kv_admission its dispatcher deals the new room by the
+              workers' reported KV loads)
+  6. place    at sync points the placement controller (the planner) may move ranks: Transition to every
+              worker, which holds its partial rollouts; the change costs the profile's seconds, leaving shards
+              hand their samples to staying ones, the held groups are dealt to the new workers
+              (``deal_groups``, as ``change_placement``) and budgets restart at this step
 
 ``sync`` mode: every GPU generates its share of the batch to completion, then every GPU trains, then syncs.
 
-Simplifications, stated: commands and samples travel instantly; engines admit between macro-steps (a few
-decode steps) rather than between single steps; a sequence at its tool is handed over at a placement change
-(live, a leaving worker waits for it to come back first); one global prompt stream.
+Simplifications, stated: commands and samples travel instantly; an engine step is a macro-step of a few
+decode steps (admission runs between them); a sequence at its tool holds its KV blocks and is handed over
+with the others at a placement change; one global prompt stream.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 from reflow.config.job_config import JobConfig
 from reflow.config.mode_settings import resolve_settings
 from reflow.distributed.placement import placement_name
-from reflow.modes.commands import Command, Progress, apply_progress
+from reflow.modes.commands import Command, SyncWeights, Transition
 from reflow.modes.leader import Leader
 from reflow.modes.ledger import new_ledger
+from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
+from reflow.rollout.request import Request
+from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
-from reflow.scheduler.concurrency import (
-    AdmissionRule,
-    ConcurrencyController,
-    ConcurrencySettings,
-    KVAdmission,
-    ResponseLengths,
-    groups_in_flight,
-)
-from reflow.scheduler.dispatch import WorkerReport
-from reflow.scheduler.routing import ShardRouter, deal_groups
-from reflow.sim.engine import SimEngine, SimSequence
+from reflow.scheduler.routing import deal_groups
+from reflow.sim.engine import SimEngine, SimTrajectory
 from reflow.sim.profiles import CostProfile
 from reflow.sim.workload import Workload
-from reflow.types import Sample, TrainerView, WorkerStats
+from reflow.types import EvalShare, GroupDone, HeldGroup, Sample, TrainerView, WorkerStats
 
 
 @dataclass(frozen=True)
@@ -86,18 +84,30 @@ class SimConfig:
     horizon_steps: int = 20
     warmup_steps: int = 3
     seed: int = 0
+    macro_steps: int = 32
+    """Decode steps an engine step may run at most (admission and commands run between engine steps): 1 is the
+    live engine's granularity; more is faster to simulate."""
 
     @property
     def batch(self) -> int:
         return self.prompts_per_step * self.group_size
 
-    def job_config(self) -> JobConfig:
+    def job_config(self, profile: CostProfile | None = None, workload: Workload | None = None) -> JobConfig:
+        """The live config this simulation stands for (what the live roles read), no evaluation."""
         cfg = JobConfig()
         cfg.training.mode = self.mode
         cfg.training.prompts_per_step, cfg.training.group_size = self.prompts_per_step, self.group_size
         cfg.replay.sigma, cfg.replay.tau, cfg.replay.delta = self.sigma, self.tau, self.delta
         cfg.weight_sync.interval = self.interval
         cfg.rollout.b_max = self.b_max
+        if profile is not None:
+            cfg.rollout.max_num_seqs = profile.max_num_seqs
+        if workload is not None:
+            cfg.rollout.max_new_tokens = workload.max_tokens
+        scheduler = cfg.scheduler
+        scheduler.adaptive_concurrency, scheduler.kv_admission = self.adaptive_concurrency, self.kv_admission
+        scheduler.rho, scheduler.response_percentile = self.rho, self.response_percentile
+        cfg.metrics.eval_interval = 0
         return cfg
 
 
@@ -157,80 +167,139 @@ def summarize(records: list[StepRecord], warmup: int, transitions: list[dict]) -
     }
 
 
-class _Rollout:
-    """One simulated rollout rank: its engine, dispatch budget and admission rule (the live gate's)."""
-
-    def __init__(
-        self, engine: SimEngine, budget: DispatchBudget, router: ShardRouter, index: int, cfg: SimConfig, profile: CostProfile,
-        workload: Workload,
-    ):
-        self.engine, self.budget, self.router, self.index = engine, budget, router, index
-        self.prompt_tokens, self.group_size = workload.prompt_tokens, cfg.group_size
-        self.lengths = ResponseLengths(cfg.response_percentile, window=256, initial=workload.max_tokens)
-        self.rule = AdmissionRule(
-            profile.max_num_seqs,
-            ConcurrencyController(ConcurrencySettings(min_cap=cfg.group_size, max_cap=profile.max_num_seqs), profile.max_num_seqs)
-            if cfg.adaptive_concurrency else None,
-            KVAdmission(cfg.rho, self.lengths, profile.kv_block_size) if cfg.kv_admission else None,
-        )
-
-    def groups_in_flight(self) -> list[tuple[int, list[int]]]:
-        engine = self.engine
-        return groups_in_flight((seq.group, seq.prompt_tokens, seq.generated) for seq in engine.running + engine.waiting + engine.in_tool)
-
-    def allows(self, prompt_tokens: int, group_size: int) -> bool:
-        engine = self.engine
-        return self.rule.refuses(engine.num_active, engine.profile.kv_budget_tokens, prompt_tokens, group_size, self.groups_in_flight) is None
-
-    def report(self) -> WorkerReport:
-        """What the global dispatcher weighs, read exactly (a live worker reports it about once a second)."""
-        engine = self.engine
-        load, estimate = self.rule.load(
-            engine.num_active, engine.profile.kv_budget_tokens, self.prompt_tokens, self.group_size, self.groups_in_flight()
-        )
-        return WorkerReport(load, estimate, self.budget.started)
-
-    def observe(self, finished: list[SimSequence]) -> None:
-        for seq in finished:
-            self.lengths.add(seq.generated)
-        if self.rule.controller:
-            engine = self.engine
-            self.rule.controller.observe(engine.clock, engine.kv_usage(), engine.profile.kv_budget_tokens, engine.num_active, engine.preemptions)
+LEADER = -1
+"""The leader's address on the simulated data plane (shards are addressed by their index)."""
 
 
-class _InstantControl:
-    """The simulator's control plane: a command reaches its rollout worker at once, and is applied by the
-    function the live rollout worker applies it with."""
+class SimGroups:
+    """The simulated workers' ``GroupSource``: one global prompt stream, and G requests per draw whose response
+    lengths (and tool calls) the workload draws at the trainer's current step."""
 
     def __init__(self, sim: "DecoupledSim"):
         self.sim = sim
 
+    def peek(self) -> int:
+        return self.sim.draws
+
+    def take(self) -> int:
+        draw = self.sim.draws
+        self.sim.draws += 1
+        return draw
+
+    def requests(self, draw: int, version: int) -> list[Request]:
+        sim = self.sim
+        workload, group = sim.workload, f"g{draw}"
+        prompt = [0] * workload.prompt_tokens  # shared by the group, as its prompt blocks are
+        requests = []
+        for k in range(sim.cfg.group_size):
+            target = workload.response_length(sim.rng, sim.steps_done)
+            turns = workload.tool_turns
+            points = [target * (t + 1) // (turns + 1) for t in range(turns)] if turns else []
+            requests.append(Request(
+                request_id=f"{group}/{k}", prompt_ids=prompt, max_tokens=workload.max_tokens, seed=k,
+                meta={"group": group, "draw": draw,
+                      "sim": SimTrajectory(target, points, workload.tool_latency_s)},
+            ))
+        return requests
+
+
+class SimScorer:
+    """The simulated ``GroupScorer``: rewards do not change what the system does (the filter accepts all)."""
+
+    def score(self, members: list[Request]) -> list[Sample]:
+        return [
+            Sample(uid=req.request_id, draw=req.meta["draw"], group_id=req.meta["group"], prompt_ids=req.prompt_ids,
+                   output_ids=req.output_ids, logprobs=req.logprobs, versions=req.versions, reward=0.5,
+                   finish_reason=req.finish_reason, advantage=1.0)
+            for req in members
+        ]
+
+
+class SimWeightSync:
+    """A simulated worker's side of the weight sync: it loads the version and records when it joined."""
+
+    def __init__(self):
+        self.joined: list[float] = []
+
+    def sync(self, trainer, engine: SimEngine, version: int) -> dict:
+        self.joined.append(engine.clock)
+        engine.load_weights((), version)
+        return {}
+
+
+class SimControl:
+    """The in-process control plane: the leader's ``CommandSink``, and each worker's ``CommandSource`` (a queue,
+    in the order sent). A command to an idle worker wakes it at the simulated time it was sent."""
+
+    def __init__(self, sim: "DecoupledSim"):
+        self.sim = sim
+        self.queues: dict[int, deque] = {}
+
     def send(self, dst: int, command: Command) -> None:
-        if not isinstance(command, Progress):
-            raise TypeError(f"the simulator's leader sends only Progress, got {command!r}")
-        rollout = self.sim.rollouts[dst]
-        apply_progress(command, rollout.budget, rollout.router)
+        self.queues[dst].append(command)
+        self.sim.wake(dst)
+
+    def source(self, index: int) -> "WorkerControl":
+        self.queues[index] = deque()
+        return WorkerControl(self.queues[index])
+
+
+class WorkerControl:
+    """One simulated worker's ``CommandSource``: nothing blocks, an empty queue answers at once."""
+
+    leader = LEADER
+
+    def __init__(self, queue: deque):
+        self.queue = queue
+
+    def poll(self) -> list[Command]:
+        commands = list(self.queue)
+        self.queue.clear()
+        return commands
+
+    def wait(self, timeout: float | None = None) -> Command | None:
+        return self.queue.popleft() if self.queue else None
+
+
+class SimOutbox:
+    """One simulated worker's ``DataSink``: a group reaches its shard at once, reports reach the leader."""
+
+    def __init__(self, sim: "DecoupledSim", index: int):
+        self.sim, self.index = sim, index
+
+    def put(self, dst: int, body) -> None:
+        if isinstance(body, GroupDone):
+            self.sim.deliver(dst, body.samples)
+        elif isinstance(body, WorkerStats):
+            self.sim.leader.receive_stats(self.index, body)
+        elif isinstance(body, EvalShare):
+            self.sim.leader.evaluations.add(body)
+        else:
+            raise TypeError(f"a simulated worker sent {body!r} to {dst}")
 
 
 class DecoupledSim:
     def __init__(self, cfg: SimConfig, profile: CostProfile, workload: Workload):
         self.cfg, self.profile, self.workload = cfg, profile, workload
-        self.settings = resolve_settings(cfg.job_config())
+        self.job = cfg.job_config(profile, workload)
+        self.settings = resolve_settings(self.job)
         self.rng = random.Random(cfg.seed)
         self.version = 0
         self.steps_done = 0
         self.clock = 0.0
         self.draws = 0
-        self.tokens: dict[str, int] = {}
-        self.partial: dict[str, list[SimSequence]] = {}
         self.shards: list[TrainerShard] = []
         self.ledger = new_ledger()  # every simulated shard's entries (the live ledger's, in one)
-        self.rollouts: list[_Rollout] = []
+        self.engines: list[SimEngine] = []
+        self.workers: list[RolloutWorker] = []
+        self.control = SimControl(self)
+        self.weight_sync = SimWeightSync()
         self.records: list[StepRecord] = []
         self.transitions: list[dict] = []
         self.received = 0  # samples delivered to the shards during the current step
         self.received_tokens = 0  # and their response tokens
         self.latencies: list[float] = []  # admission-to-finish seconds of the samples finished this step
+        self._sent_seen: list[int] = []  # per worker: its ledger's "sent" entries already counted
         self.planner = (
             PlacementPlanner(PlannerSettings(
                 world_size=cfg.gpus, shard_degree=cfg.shard_degree,
@@ -240,8 +309,12 @@ class DecoupledSim:
             ))
             if cfg.adaptive_placement else None
         )
-        self.leader = Leader(_InstantControl(self), cfg.group_size, self.planner)
-        self.earliest: list[tuple[float, int]] = []  # (clock, index) of the busy engines (``_step_earliest``)
+        self.leader = Leader(self.control, cfg.group_size, self.planner)
+        self.runnable: list[tuple[float, int]] = []  # lazy heap of (engine clock, worker index): ``_tick_earliest``
+        self.in_heap: set[int] = set()  # the workers with an entry in it
+        self.reports: list = []  # each shard's latest readiness report (``_view``)
+        self.reports_version = -1
+        self.changed: set[int] = set()  # shards changed since their report
         self.evicted_at = -1  # the version the shards last evicted aged samples at
         self.engines_ever: list[SimEngine] = []  # every engine the run built (for its preemption count)
         self._enter(cfg.replicas)
@@ -250,7 +323,7 @@ class DecoupledSim:
 
     @property
     def placement(self) -> str:
-        return placement_name(self.replicas, self.cfg.shard_degree, len(self.rollouts))
+        return placement_name(self.replicas, self.cfg.shard_degree, len(self.workers))
 
     def _new_shard(self, index: int, num_rollout: int, batch_per_shard: int) -> TrainerShard:
         buffer = ReplayBuffer(
@@ -260,10 +333,11 @@ class DecoupledSim:
         buffer.start_version = 0
         return TrainerShard(buffer, index, num_rollout, batch_per_shard, self.ledger)
 
-    def _enter(self, replicas: int, held: list[list[list[SimSequence]]] | None = None) -> None:
+    def _enter(self, replicas: int, held: list[list[HeldGroup]] | None = None) -> None:
         """The roles of a placement, as ``DecoupledMode.enter`` and ``change_placement`` take them up: staying
         shards keep their samples, a leaving shard hands its buffer to the staying one of index (its index mod
-        A'), every budget starts at this step, and the leader deals (or tells) the new rollout workers."""
+        A'), every budget starts at this step, the held groups are dealt to the new workers, and the leader
+        deals (or tells) the new rollout workers."""
         cfg = self.cfg
         self.replicas = replicas
         num_shards = replicas * cfg.shard_degree
@@ -278,218 +352,224 @@ class DecoupledSim:
         for shard in leaving:
             samples, draws = shard.hand_over()
             self.shards[shard.index % num_shards].accept_handover(samples, draws)
-        engines = [r.engine for r in self.rollouts]
-        kept = engines[len(engines) - num_rollout:] if num_rollout <= len(engines) else engines
-        fresh = [SimEngine(self.profile, i) for i in range(num_rollout - len(kept))]
+        # the rollout ranks that stay are the last ones (the trainer grows from rank 0 up)
+        old = self.engines
+        kept = old[len(old) - num_rollout:] if num_rollout <= len(old) else old
+        fresh = [SimEngine(self.profile, len(self.engines_ever) + i, cfg.macro_steps) for i in range(num_rollout - len(kept))]
         self.engines_ever.extend(fresh)
         for engine in fresh:
-            engine.clock = engine.paused_until = self.clock
+            engine.clock = self.clock
             engine.version = self.version
-        if held is not None:  # the partial rollouts: a staying engine keeps its own, a leaving one's are dealt
-            first_kept = len(engines) - len(kept)
-            stays = [len(fresh) + (k - first_kept) if k >= first_kept else None for k in range(len(engines))]
-            new_engines = fresh + kept
-            for target, dealt in enumerate(deal_groups([[len(g) for g in groups] for groups in held], stays, num_rollout)):
-                new_engines[target].resume([seq for worker, k in dealt for seq in held[worker][k]])
-        dealt = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
-        self.rollouts = [
-            _Rollout(
-                engine,
-                DispatchBudget(self.settings.dispatch, index, num_rollout, cfg.group_size, start_step=self.steps_done, dealt=dealt),
-                ShardRouter(num_shards, first=index), index, cfg, self.profile, self.workload,
+        self.engines = fresh + kept
+        carried: list[list[HeldGroup]] = [[] for _ in range(num_rollout)]
+        if held is not None:  # the partial rollouts: a staying worker keeps its own, a leaving one's are dealt
+            first_kept = len(old) - len(kept)
+            stays = [len(fresh) + (k - first_kept) if k >= first_kept else None for k in range(len(old))]
+            dealt = deal_groups([[len(group.held) for group in groups] for groups in held], stays, num_rollout)
+            carried = [[held[worker][k] for worker, k in mine] for mine in dealt]
+        dealt_dispatch = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
+        self.workers = [
+            RolloutWorker(
+                self.job, engine, TurnDriver(engine, None, None), SimGroups(self), SimScorer(), self.weight_sync,
+                self.control.source(index), SimOutbox(self, index),
+                DispatchBudget(self.settings.dispatch, index, num_rollout, cfg.group_size, start_step=self.steps_done,
+                               dealt=dealt_dispatch),
+                index, list(range(num_shards)), carried=carried[index], clock=self._clock_of(engine),
             )
-            for index, engine in enumerate(fresh + kept)
+            for index, engine in enumerate(self.engines)
         ]
+        self._sent_seen = [0] * num_rollout
         dispatcher = (
             Leader.new_dispatcher(self.settings.dispatch, num_rollout, cfg.group_size, cfg.rho, self.steps_done)
-            if dealt else None
+            if dealt_dispatch else None
         )
         self.leader.enter(list(range(num_rollout)), dispatcher)
-        self._rebuild_earliest()
-        self._tell_budgets()
-        for rollout in self.rollouts:
-            self._admit(rollout)
+        self.runnable, self.in_heap = [], set()
+        self.reports_version = -1  # (budgets restarted, buffers handed over: every report is computed again)
+        for worker in self.workers:
+            worker.start()
+        self.leader.publish(self.steps_done, self._view())  # (a Progress wakes every worker)
+
+    @staticmethod
+    def _clock_of(engine: SimEngine):
+        return lambda: engine.clock
 
     def _transition(self, replicas: int) -> None:
-        """As ``change_placement``: every engine holds what it has in flight (partial rollouts, which count
-        against no budget afterwards), the change costs the mechanism (the profile's transition seconds), and
-        the new placement's engines resume the held groups (``deal_groups``), prefilling them again."""
+        """As ``change_placement``: Transition to every worker, which holds what it has in flight (partial
+        rollouts, which count against no budget afterwards); the change costs the mechanism (the profile's
+        transition seconds), and the new placement's workers resume the held groups first."""
         start = self.clock
         held = []
-        for rollout in self.rollouts:
-            groups: dict[str, list[SimSequence]] = {}
-            for seq in rollout.engine.hold_all():
-                seq.origin = -1
-                groups.setdefault(seq.group, []).append(seq)
-            held.append(list(groups.values()))
-        self.clock = max([self.clock] + [r.engine.clock for r in self.rollouts]) + self.profile.transition_s
-        for rollout in self.rollouts:
-            rollout.engine.idle_s += self.clock - rollout.engine.clock
-            rollout.engine.clock = self.clock
+        for index, worker in enumerate(self.workers):
+            self.control.queues[index].append(Transition(replicas))
+            ended = worker.take_commands()
+            if not isinstance(ended, Transition):
+                raise RuntimeError(f"simulated worker {index} did not leave at a placement change: {ended!r}")
+            held.append(worker.carried_out)
+        self._collect_latencies()
+        self.clock = max([self.clock] + [engine.clock for engine in self.engines]) + self.profile.transition_s
+        for engine in self.engines:
+            engine.wait_until(self.clock)
         old = self.placement
         self._enter(replicas, held)
         event = {"after_step": self.steps_done, "transition": f"{old} -> {self.placement}", "transition_s": self.clock - start}
         self.transitions.append(event)
         self.leader.placement_rows.append(event)
 
-    # ---- rollout side --------------------------------------------------------------------
+    # ---- the rollout side: workers ticked in simulated time -------------------------------------
 
-    def _admit(self, rollout: _Rollout) -> None:
-        engine = rollout.engine
-        was_idle = not engine.num_active
-        self._admit_group(rollout)
-        if was_idle and engine.num_active:  # an idle engine that gets work enters the heap of busy engines
-            heapq.heappush(self.earliest, (max(engine.clock, engine.paused_until), rollout.index))
+    def wake(self, index: int) -> None:
+        """A command reached worker ``index``: an idle engine waits no longer than now, and the worker runs."""
+        engine = self.engines[index]
+        if not engine.num_active:
+            engine.wait_until(self.clock)
+        if index not in self.in_heap:
+            self.in_heap.add(index)
+            heapq.heappush(self.runnable, (engine.clock, index))
 
-    def _admit_group(self, rollout: _Rollout) -> None:
-        """Start whole groups while the budget has room and the admission rule lets the next one in."""
-        cfg, engine = self.cfg, rollout.engine
-        while True:
-            if not rollout.budget.can_start() or not rollout.allows(self.workload.prompt_tokens, cfg.group_size):
-                return
-            draw = self.draws
-            self.draws += 1
-            group = f"g{draw}"
-            sequences = []
-            for k in range(cfg.group_size):
-                target = self.workload.response_length(self.rng, self.steps_done)
-                turns = self.workload.tool_turns
-                points = [target * (t + 1) // (turns + 1) for t in range(turns)] if turns else []
-                sequences.append(SimSequence(
-                    uid=f"{group}/{k}", group=group, draw=draw, prompt_tokens=self.workload.prompt_tokens,
-                    target_tokens=target, birth_version=engine.version, origin=rollout.index, turn_points=points,
-                    tool_latency_s=self.workload.tool_latency_s, admitted_at=engine.clock,
-                ))
-            engine.add(sequences)
-            rollout.budget.record_start()
+    def _is_runnable(self, index: int) -> bool:
+        worker = self.workers[index]
+        return bool(worker.turns.num_active or worker.commands or self.control.queues[index])
 
-    def _deliver(self, rollout: _Rollout, finished: list[SimSequence]) -> None:
-        rollout.observe(finished)
-        for seq in finished:
-            members = self.partial.setdefault(seq.group, [])
-            members.append(seq)
-            if len(members) < self.cfg.group_size:
-                continue
-            del self.partial[seq.group]
-            self.latencies.extend(rollout.engine.clock - member.admitted_at for member in members)
-            samples = []
-            for member in members:
-                self.tokens[member.uid] = member.prompt_tokens + member.generated
-                samples.append(Sample(
-                    uid=member.uid, draw=member.draw, group_id=member.group, prompt_ids=[], output_ids=[], logprobs=[],
-                    versions=[member.birth_version], reward=0.5, origin=member.origin, advantage=1.0,
-                    finish_version=rollout.engine.version,
-                ))
-            # bound to a shard on arrival: the router sees the shards' counts exactly here (Progress, instantly)
-            rollout.router.update([shard.buffer.num_unused for shard in self.shards])
-            self.shards[rollout.router.choose(len(samples))].accept_group(samples, self.version)
-            self.received += len(samples)
-            self.received_tokens += sum(member.generated for member in members)
+    def _tick(self, index: int) -> None:
+        ended = self.workers[index].tick()
+        if ended is not None:
+            raise RuntimeError(f"simulated worker {index} ended outside a placement change: {ended!r}")
 
-    def _step_earliest(self) -> float | None:
-        """One macro-step of the busy engine with the earliest clock (ties: the lowest index); returns that
-        engine's clock after it (None if no engine has work).
+    def _tick_earliest(self) -> float | None:
+        """One tick of the runnable worker whose engine clock is earliest (ties: the lowest index); returns that
+        clock after it (None if no worker can run).
 
-        ``self.earliest`` is a lazy heap of (clock, index): every engine with work has an entry, whose clock is
-        at most its actual one (clocks only advance). The top is corrected until it is exact, so it is the
-        earliest busy engine."""
-        heap = self.earliest
+        ``self.runnable`` is a lazy heap of (clock, index): every runnable worker has an entry, whose clock is at
+        most its engine's actual one (clocks only advance). The top is corrected until it is exact."""
+        heap = self.runnable
         while heap:
             key, index = heap[0]
-            engine = self.rollouts[index].engine
-            if not engine.num_active:
+            engine = self.engines[index]
+            if not self._is_runnable(index):
                 heapq.heappop(heap)
-            elif max(engine.clock, engine.paused_until) != key:
-                heapq.heapreplace(heap, (max(engine.clock, engine.paused_until), index))
+                self.in_heap.discard(index)
+            elif engine.clock != key:
+                heapq.heapreplace(heap, (engine.clock, index))
             else:
                 break
         else:
             return None
-        rollout = self.rollouts[index]
-        self._deliver(rollout, rollout.engine.step(float("inf")) or [])
-        self._admit(rollout)
-        heapq.heapreplace(heap, (max(rollout.engine.clock, rollout.engine.paused_until), index))
-        return rollout.engine.clock
+        self._tick(index)
+        engine = self.engines[index]
+        heapq.heapreplace(heap, (engine.clock, index))
+        return engine.clock
 
-    def _rebuild_earliest(self) -> None:
-        self.earliest = [(max(r.engine.clock, r.engine.paused_until), r.index) for r in self.rollouts if r.engine.num_active]
-        heapq.heapify(self.earliest)
+    def _run_workers_to(self, until: float) -> None:
+        """Every worker runs on until its engine's clock reaches ``until`` (no engine step passes it), or it idles."""
+        for index, engine in enumerate(self.engines):
+            engine.until = until
+            while engine.clock < until and self._is_runnable(index):
+                self._tick(index)  # (a tick advances the clock: a step costs its overhead, a tool wait idles)
+            engine.until = float("inf")
+            if not engine.num_active:
+                engine.wait_until(until)
+        self._rebuild_runnable()
 
-    def _run_engines_to(self, until: float) -> None:
-        for rollout in self.rollouts:
-            engine = rollout.engine
-            while engine.clock < until:
-                finished = engine.step(until)
-                if finished is None:
-                    break
-                self._deliver(rollout, finished)
-                self._admit(rollout)
-            if engine.clock < until and not engine.num_active:
-                engine.idle_s += until - engine.clock
-                engine.clock = until
+    def _rebuild_runnable(self) -> None:
+        self.runnable = [(engine.clock, index) for index, engine in enumerate(self.engines) if self._is_runnable(index)]
+        heapq.heapify(self.runnable)
+        self.in_heap = {index for _, index in self.runnable}
+
+    def deliver(self, shard_index: int, samples: list[Sample]) -> None:
+        """A finished group reaches the shard its worker's router chose."""
+        self.shards[shard_index].accept_group(samples, self.version)
+        self.changed.add(shard_index)
+        self.received += len(samples)
+        self.received_tokens += sum(len(s.output_ids) for s in samples)
+
+    def _collect_latencies(self) -> None:
+        for index, worker in enumerate(self.workers):
+            sent = worker.ledger["sent"]
+            self.latencies.extend(entry["finished_at"] - entry["admitted_at"] for entry in sent[self._sent_seen[index]:])
+            self._sent_seen[index] = len(sent)
+
+    # ---- the trainer side: the live shards and leader ------------------------------------------
 
     def _view(self) -> TrainerView:
-        """The readiness exchange, in process: every shard's report, combined as the gloo exchange does."""
-        return TrainerView.combine([shard.readiness(self.version) for shard in self.shards])
-
-    def _tell_budgets(self) -> None:
-        """The leader's Progress (reports read exactly, commands delivered at once: ``_InstantControl``)."""
-        if self.leader.dispatcher is not None:
-            for rollout in self.rollouts:
-                self.leader.receive_stats(rollout.index, WorkerStats(load=rollout.report()))
-            self.leader.rollout_window.clear()  # (the simulator keeps its own busy and idle seconds)
-        self.leader.publish(self.steps_done, self._view())
+        """The readiness exchange, in process: every shard's report, combined as the gloo exchange does. A shard's
+        report is computed again only when something reached or left it (``changed``) or the version moved."""
+        if self.reports_version != self.version or len(self.reports) != len(self.shards):
+            self.reports_version, self.reports, self.changed = self.version, [None] * len(self.shards), set(range(len(self.shards)))
+        for index in self.changed:
+            self.reports[index] = self.shards[index].readiness(self.version)
+        self.changed = set()
+        return TrainerView.combine(self.reports)
 
     def _ready(self) -> bool:
         """The trainer's wait loop (``DecoupledMode._wait_for_batch``) with instant moves: evict what aged, then
-        move until no move is due, and report whether every shard can serve exactly b/A. While the shards hold
-        fewer unused samples than their batches need together, no shard set can be ready: the full check waits
-        for that (the version is fixed while the trainer waits, so nothing ages meanwhile)."""
+        exchange (the leader publishes Progress), move until no move is due, and report whether every shard can
+        serve exactly b/A."""
         if self.evicted_at != self.version:  # (a group that arrives stale is retired on arrival)
             for shard in self.shards:
                 shard.evict_stale(self.version, "aged")
             self.evicted_at = self.version
+            self.changed.update(range(len(self.shards)))
         per_shard = self.shards[0].batch_per_shard
-        if sum(shard.buffer.num_unused for shard in self.shards) < sum(shard.buffer.need(per_shard) for shard in self.shards):
-            return False
         while True:
             view = self._view()
-            moves = view.moves(self.shards[0].batch_per_shard)
+            self.leader.publish(self.steps_done, view)
+            moves = view.moves(per_shard)
             if not moves:
                 return view.all_ready
+            self.changed.update(index for move in moves for index in (move.donor, move.receiver))
             for shard in self.shards:
                 for receiver, samples in shard.donate(moves, self.version):
                     self.shards[receiver].accept_moved(samples)
+
+    def _sync(self) -> float:
+        """SyncWeights to every worker; each takes its first-token steps, holds and joins. The sync ends
+        ``weight_sync_s`` after the last to join (the trainer joins now); returns its seconds."""
+        start = self.clock
+        for shard in self.shards:
+            shard.evict_stale(self.version, "at_sync")
+        self.changed.update(range(len(self.shards)))
+        self.weight_sync.joined = []
+        for index, worker in enumerate(self.workers):
+            self.control.queues[index].append(SyncWeights(self.version))
+            if worker.take_commands() is not None:
+                raise RuntimeError(f"simulated worker {index} left at a weight sync")
+        end = max([self.clock] + self.weight_sync.joined) + self.profile.weight_sync_s
+        for engine in self.engines:
+            engine.wait_until(end)
+        self.clock = end
+        return end - start
 
     def run(self) -> dict:
         cfg, profile = self.cfg, self.profile
         while self.steps_done < cfg.steps:
             step_start = self.clock
-            busy0 = sum(r.engine.busy_s for r in self.rollouts)
-            idle0 = sum(r.engine.idle_s for r in self.rollouts)
+            engines = self.engines
+            busy0 = sum(e.busy_s for e in engines)
+            idle0 = sum(e.idle_s for e in engines)
+            steps0 = sum(e.engine_steps for e in engines)
+            sequences0 = sum(e.step_sequences for e in engines)
             self.received = self.received_tokens = 0
             self.latencies = []
-            steps0 = sum(r.engine.engine_steps for r in self.rollouts)
-            sequences0 = sum(r.engine.step_sequences for r in self.rollouts)
             sync_s = 0.0
             evicted_before = len(self.ledger["evicted_unused"])
-            # 1. wait until every shard can serve a batch (the other engines catch up to that time, and what they
+            # 1. wait until every shard can serve a batch (the other workers catch up to that time, and what they
             #    deliver meanwhile goes through the same staleness check)
             while True:
                 while not self._ready():
                     delivered = self.received
                     while self.received == delivered:  # the shards change only when a group arrives
-                        now = self._step_earliest()
+                        now = self._tick_earliest()
                         if now is None:
-                            raise RuntimeError(f"simulated {cfg.mode} deadlocked at step {self.steps_done + 1}: no engine has work")
+                            raise RuntimeError(f"simulated {cfg.mode} deadlocked at step {self.steps_done + 1}: no worker can run")
                         self.clock = max(self.clock, now)
-                self._run_engines_to(self.clock)
+                self._run_workers_to(self.clock)
                 if self._ready():
                     break
             ready = self.clock
             # 2. train: every shard's batch; the slowest rank sets the time
             plans = [shard.plan(self.version) for shard in self.shards]
-            rank_tokens = [sum(self.tokens[s.uid] for s in plan.fresh + plan.replayed) for plan in plans]
+            rank_tokens = [sum(len(s.prompt_ids) + len(s.output_ids) for s in plan.fresh + plan.replayed) for plan in plans]
             staleness = [0] * (self.settings.delta + 1)
             for shard, plan in zip(self.shards, plans):
                 for sample in plan.fresh + plan.replayed:
@@ -497,44 +577,34 @@ class DecoupledSim:
             train_end = ready + profile.train_overhead_s + max(rank_tokens) * profile.train_token_s
             if len(self.shards) > 1:
                 train_end += profile.train_collective_s
-            self._run_engines_to(train_end)
+            self._run_workers_to(train_end)
             self.clock = train_end
-            # 3. retire and tell the budgets
+            # 3. retire
             for shard, plan in zip(self.shards, plans):
                 shard.retire_trained(plan)
                 shard.take_window()
             self.version += 1
             self.steps_done += 1
-            # 4. weight sync
+            # 4. weight sync, 5. progress
             if self.version % self.settings.interval == 0:
-                for shard in self.shards:
-                    shard.evict_stale(self.version, "at_sync")
-                for rollout in self.rollouts:
-                    rollout.engine.paused_until = max(rollout.engine.clock, self.clock) + profile.weight_sync_s
-                    rollout.engine.version = self.version
-                    rollout.engine.reload_weights()
-                self.clock += profile.weight_sync_s
-                sync_s = profile.weight_sync_s
-            self._tell_budgets()
-            for rollout in self.rollouts:
-                if not rollout.engine.num_active and rollout.engine.clock < self.clock:
-                    rollout.engine.idle_s += self.clock - rollout.engine.clock
-                    rollout.engine.clock = self.clock
-                self._admit(rollout)
+                sync_s = self._sync()
+            self.leader.publish(self.steps_done, self._view())
+            self.leader.rollout_window.clear()  # (the rows below read the engines' own counters)
+            self._collect_latencies()
             record = StepRecord(
                 step=self.steps_done, start=step_start, end=self.clock, wait_s=ready - step_start,
                 trainer_tokens=sum(rank_tokens), received=self.received,
                 fresh=sum(len(p.fresh) for p in plans), replayed=sum(len(p.replayed) for p in plans),
-                rollout_busy_s=sum(r.engine.busy_s for r in self.rollouts) - busy0,
-                rollout_idle_s=sum(r.engine.idle_s for r in self.rollouts) - idle0,
+                rollout_busy_s=sum(e.busy_s for e in engines) - busy0,
+                rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
                 placement=self.placement, staleness=staleness, received_tokens=self.received_tokens,
                 evicted=len(self.ledger["evicted_unused"]) - evicted_before, sync_s=sync_s,
-                engine_steps=sum(r.engine.engine_steps for r in self.rollouts) - steps0,
-                step_sequences=sum(r.engine.step_sequences for r in self.rollouts) - sequences0, latencies=self.latencies,
+                engine_steps=sum(e.engine_steps for e in engines) - steps0,
+                step_sequences=sum(e.step_sequences for e in engines) - sequences0, latencies=self.latencies,
             )
             self.records.append(record)
             self.leader.placement_rows.append(record.as_row())
-            # 5. placement, at sync points
+            # 6. placement, at sync points
             if self.planner is not None and self.version % self.settings.interval == 0 and self.steps_done < cfg.steps:
                 decision = self.leader.decide_placement(self.steps_done, self.replicas)
                 if decision.target is not None:
@@ -554,7 +624,7 @@ class DecoupledSim:
 def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> dict:
     """Colocated on-policy GRPO: every GPU generates its share, then every GPU trains, then the sync."""
     rng = random.Random(cfg.seed)
-    engines = [SimEngine(profile, i) for i in range(cfg.gpus)]
+    engines = [SimEngine(profile, i, cfg.macro_steps) for i in range(cfg.gpus)]
     clock, records = 0.0, []
     for step in range(1, cfg.steps + 1):
         start = clock
@@ -563,16 +633,16 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
         for prompt in range(cfg.prompts_per_step):
             rank = prompt % cfg.gpus
             group = f"s{step}-{prompt}"
-            engines[rank].add([
-                SimSequence(f"{group}/{k}", group, prompt, workload.prompt_tokens,
-                            workload.response_length(rng, step - 1), step - 1, rank)
-                for k in range(cfg.group_size)
-            ])
+            prompt_ids = [0] * workload.prompt_tokens
+            for k in range(cfg.group_size):
+                target = workload.response_length(rng, step - 1)
+                engines[rank].add(Request(f"{group}/{k}", prompt_ids, workload.max_tokens, k,
+                                          meta={"group": group, "sim": SimTrajectory(target)}))
         for rank, engine in enumerate(engines):
             engine.clock = start
             while engine.num_active:
-                for seq in engine.step(float("inf")) or []:
-                    tokens[rank] += seq.prompt_tokens + seq.generated
+                for req in engine.step():
+                    tokens[rank] += len(req.prompt_ids) + len(req.output_ids)
         generated = max(engine.clock for engine in engines)
         train = profile.train_overhead_s + max(tokens) * profile.train_token_s + (profile.train_collective_s if cfg.gpus > 1 else 0.0)
         clock = generated + train + profile.weight_sync_s

@@ -2,9 +2,11 @@
 the rollout side's ``apply_progress``, wired as ``DecoupledMode`` wires them (readiness exchange, moves,
 Progress), so each rule of ``docs/decoupled_protocol.md`` gets a fast test."""
 
+from collections import deque
+
 import pytest
 
-from reflow.modes.commands import Progress, apply_progress
+from reflow.modes.commands import Progress, SyncWeights, Transition, apply_progress
 from reflow.modes.leader import Leader, RolloutWindow
 from reflow.modes.ledger import new_ledger
 from reflow.modes.trainer_shard import TrainerShard
@@ -145,8 +147,140 @@ def test_a_leaving_shard_hands_everything_over_and_budgets_restart():
 def test_the_gloo_planes_and_the_in_process_fakes_implement_the_transport_protocols():
     from reflow.dataplane.protocols import CommandSink, CommandSource, DataSink
     from reflow.dataplane.transport import ControlChannel, Outbox
-    from reflow.sim.system import _InstantControl
+    from reflow.sim.system import SimControl, SimOutbox, WorkerControl
 
     for cls, protocol in ((ControlChannel, CommandSink), (ControlChannel, CommandSource), (Outbox, DataSink)):
         assert all(callable(getattr(cls, name, None)) for name in ("send", "poll", "wait", "put") if hasattr(protocol, name))
-    assert isinstance(Sink(), CommandSink) and isinstance(_InstantControl(None), CommandSink)
+    assert isinstance(Sink(), CommandSink) and isinstance(SimControl(None), CommandSink)
+    assert isinstance(WorkerControl(deque()), CommandSource) and isinstance(SimOutbox(None, 0), DataSink)
+
+
+def test_the_vllm_engine_and_the_simulated_one_implement_the_engine_protocol():
+    from reflow.rollout.engine import RolloutEngine
+    from reflow.rollout.protocols import Engine
+    from reflow.sim.engine import SimEngine
+    from reflow.sim.profiles import TINY_CPU
+
+    assert isinstance(SimEngine(TINY_CPU, 0), Engine)
+    methods = ("add", "step", "step_until_started", "hold_all", "resume", "load_weights", "sleep", "wake_up")
+    assert all(callable(getattr(RolloutEngine, name, None)) for name in methods)
+    assert RolloutEngine.decode_steps == 1 and isinstance(RolloutEngine.num_active, property)
+
+
+class ScriptedControl:
+    """A rollout worker's command source in process: what the test appends, in order."""
+
+    leader = -1
+
+    def __init__(self):
+        self.queue = deque()
+
+    def poll(self):
+        commands = list(self.queue)
+        self.queue.clear()
+        return commands
+
+    def wait(self, timeout=None):
+        return self.queue.popleft() if self.queue else None
+
+
+class Collect:
+    def __init__(self):
+        self.groups: list[list[Sample]] = []
+        self.reports: list[WorkerStats] = []
+
+    def put(self, dst, body):
+        from reflow.types import GroupDone
+
+        if isinstance(body, GroupDone):
+            self.groups.append(body.samples)
+        elif isinstance(body, WorkerStats):
+            self.reports.append(body)
+
+
+def simulated_worker(control, outbox, weights, window: int, engine=None, carried=None):
+    """The live RolloutWorker over a simulated engine, groups of 4 whose answers are 6 to 60 tokens long."""
+    import random
+
+    from reflow.config.job_config import JobConfig
+    from reflow.modes.rollout_worker import RolloutWorker
+    from reflow.rollout.request import Request
+    from reflow.rollout.turns import TurnDriver
+    from reflow.sim.engine import SimEngine, SimTrajectory
+    from reflow.sim.profiles import TINY_CPU
+    from reflow.sim.system import SimScorer
+
+    cfg = JobConfig()
+    cfg.training.group_size = GROUP
+    rng = random.Random(0)
+
+    class Groups:
+        draws = 0
+
+        def peek(self):
+            return self.draws
+
+        def take(self):
+            self.draws += 1
+            return self.draws - 1
+
+        def requests(self, draw, version):
+            return [Request(f"g{draw}/{k}", [1] * 8, 64, k, meta={"group": f"g{draw}", "draw": draw,
+                            "sim": SimTrajectory(rng.randint(6, 60))}) for k in range(GROUP)]
+
+    engine = engine or SimEngine(TINY_CPU, 0, max_steps=4)
+    budget = DispatchBudget(DispatchRule(window=window), 0, 1, group_size=GROUP)
+    worker = RolloutWorker(cfg, engine, TurnDriver(engine, None, None), Groups(), SimScorer(), weights, control, outbox,
+                           budget, 0, [0], carried=carried, clock=lambda: engine.clock)
+    return worker, engine
+
+
+class ReloadSameWeights:
+    def sync(self, trainer, engine, version):
+        engine.load_weights((), version)
+        return {}
+
+
+def test_a_rollout_worker_over_a_simulated_engine_keeps_the_first_token_rule_across_a_sync_and_hands_over():
+    """The live RolloutWorker, driven tick by tick: it admits the window's groups, takes the first-token steps
+    before a weight sync (every admitted request's oldest token is from the version it started under), resumes
+    its partial rollouts under the new version, and at a Transition holds what is in flight; a new worker
+    resumes the handed-over groups first. Every request started has exactly one fate."""
+    control, outbox = ScriptedControl(), Collect()
+    worker, engine = simulated_worker(control, outbox, ReloadSameWeights(), window=4 * GROUP)
+    worker.start()
+    for _ in range(3):
+        assert worker.tick() is None
+    assert len(worker.ledger["started"]) == 4 * GROUP  # the window, whole groups
+    control.queue.append(SyncWeights(1))
+    assert worker.tick() is None
+    assert engine.version == 1 and all(req.output_ids for req in engine.active.values())
+    control.queue.append(Progress(steps_done=1, retired=2 * GROUP))  # room for two more groups, on version 1
+    for _ in range(1000):
+        if len(outbox.groups) >= 3:
+            break
+        assert worker.tick() is None
+    control.queue.append(Transition(2))
+    assert isinstance(worker.tick(), Transition)
+    handed = worker.ledger["handed_out"]
+    sent = [s.uid for samples in outbox.groups for s in samples]
+    assert sorted(worker.ledger["started"]) == sorted(sent + handed)  # one fate each
+    for samples in outbox.groups:
+        draw = samples[0].draw
+        started_on = 0 if draw < 4 else 1
+        assert all(s.versions == sorted(s.versions) for s in samples)  # what Sample.birth_version relies on
+        assert all(s.birth_version == started_on and s.finish_version >= max(s.versions) for s in samples), draw
+    # the heir resumes the held groups first, their tokens and versions kept, and they count against no budget
+    heir_out = Collect()
+    heir, _ = simulated_worker(ScriptedControl(), heir_out, ReloadSameWeights(), window=GROUP, engine=engine,
+                               carried=worker.carried_out)
+    heir.start()
+    for _ in range(1000):
+        if not heir.turns.num_active:
+            break
+        assert heir.tick() is None
+    finished = {s.uid: s for samples in heir_out.groups for s in samples}
+    assert handed and set(handed) <= set(finished)
+    assert all((finished[uid].origin == -1) == (uid in handed) for uid in finished)  # its own new group counts
+
+

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from reflow.sim.engine import SimEngine, SimSequence
+from reflow.rollout.request import Request
+from reflow.sim.engine import SimEngine, SimTrajectory, trajectory
 from reflow.sim.profiles import QWEN3_8B_H800, TINY_CPU, CostProfile, fit_profile
 from reflow.sim.system import SimConfig, simulate
 from reflow.sim.workload import Workload
@@ -19,28 +20,29 @@ PROFILE = CostProfile(
 WORKLOAD = Workload(name="test", prompt_tokens=20, median_tokens=30, sigma=0.6, max_tokens=200)
 
 
-def sequences(group: str, count: int, prompt: int, target: int) -> list[SimSequence]:
-    return [SimSequence(f"{group}/{k}", group, 0, prompt, target, 0, 0) for k in range(count)]
+def sequences(group: str, count: int, prompt: int, target: int) -> list[Request]:
+    ids = [0] * prompt
+    return [Request(f"{group}/{k}", ids, 1000, k, meta={"group": group, "sim": SimTrajectory(target)}) for k in range(count)]
 
 
 def test_engine_shares_full_prompt_blocks_and_costs_each_step():
     engine = SimEngine(PROFILE, 0, max_steps=8)
-    engine.add(sequences("a", 4, prompt=40, target=8))  # 2 full prompt blocks shared, 8 + 8 tokens each: 1 block
-    finished = engine.step(float("inf"))
-    assert [s.generated for s in finished] == [8] * 4
+    engine.resume(sequences("a", 4, prompt=40, target=8))  # 2 full prompt blocks shared, 8 + 8 tokens each: 1 block
+    finished = engine.step()
+    assert [len(req.output_ids) for req in finished] == [8] * 4 and engine.decode_steps == 8
     assert engine.engine_steps == 8 and engine.step_sequences == 32
     assert engine.busy_s == pytest.approx(8 * (0.01 + 4 * 0.001))
-    assert engine._blocks(finished) == 2 + 4 * 1
+    assert engine._blocks([trajectory(req) for req in finished]) == 2 + 4 * 1
 
 
 def test_engine_preempts_the_newest_sequence_when_the_cache_runs_out():
     small = CostProfile(**{**PROFILE.as_dict(), "kv_budget_tokens": 10 * 16})  # 10 blocks
     engine = SimEngine(small, 0, max_steps=4)
-    engine.add(sequences("a", 4, prompt=8, target=60) + sequences("b", 4, prompt=8, target=60))
+    engine.resume(sequences("a", 4, prompt=8, target=60) + sequences("b", 4, prompt=8, target=60))
     done = []
     while engine.num_active:
-        done += engine.step(float("inf")) or []
-    assert len(done) == 8 and all(s.generated == 60 for s in done)
+        done += engine.step()
+    assert len(done) == 8 and all(len(req.output_ids) == 60 for req in done)
     assert engine.preemptions > 0
     assert engine.kv_usage_sum / engine.engine_steps <= 1.0
 
@@ -124,5 +126,9 @@ def test_the_planner_follows_a_drifting_workload_both_ways():
     placement_after = {row["step"]: _replicas(row["placement"]) for row in result["timeline"]}
     assert placement_after[16 + 8] < placement_after[16], result["transitions"]
     assert placement_after[40 + 8] > placement_after[40], result["transitions"]
-    assert all(t["transition_s"] == pytest.approx(QWEN3_8B_H800.transition_s, rel=0.05) for t in result["transitions"])
+    # a transition costs the mechanism plus the first-token steps of what is in flight (the live worker's, before
+    # it holds: a prefill step, 0.3-1.3 s here); draining the long answers would take minutes (at about 10 ms a
+    # decode step, the 6,800-token median alone is over a minute)
+    mechanism = QWEN3_8B_H800.transition_s
+    assert all(mechanism <= t["transition_s"] < mechanism + 2.0 for t in result["transitions"]), result["transitions"]
     assert all(t["reason"] for t in result["transitions"])
