@@ -31,6 +31,7 @@ import os
 import sys
 import time
 
+from reflow.distributed.placement import parse_placement_name
 from reflow.sim.profiles import PROFILES, QWEN3_8B_H800, fit_profile
 from reflow.sim.system import SimConfig, simulate, simulate_job
 from reflow.sim.workload import REASONING_DRIFT, chain_sum_workload
@@ -185,10 +186,16 @@ def _validate_png(path: str, detail: dict) -> None:
     image.save(path)
 
 
+COMPARE_MACRO_STEPS = 32
+"""Decode steps per simulated engine step in ``compare``: admission runs every ~0.25 s of engine time at ~8 ms a
+decode step, against trainer steps of tens of seconds (``validate`` runs at the live engine's 1; 64 measured
+no faster here, 136 s against 127-148 s, since the live worker's own work per step then dominates)."""
+
+
 def _scale_config(gpus: int, steps: int, **kw) -> SimConfig:
     return SimConfig(
         gpus=gpus, prompts_per_step=2 * gpus, group_size=8, steps=steps, shard_degree=1 if gpus <= 8 else 8,
-        sigma=0.5, tau=0.5, delta=2, interval=2, **kw,
+        sigma=0.5, tau=0.5, delta=2, interval=2, macro_steps=COMPARE_MACRO_STEPS, **kw,
     )
 
 
@@ -236,6 +243,7 @@ def cmd_compare(args) -> int:
         "profile": profile.as_dict(),
         "workload": dataclasses.asdict(workload),
         "steps": args.steps,
+        "macro_steps": COMPARE_MACRO_STEPS,
         "seconds": seconds,
         "scales": scales,
         "target": {
@@ -263,7 +271,7 @@ def _compare_png(path: str, scales: dict) -> None:
         }, 1.0)
         timeline = row["reflow_adaptive"]["timeline"]
         steps = max(len(timeline), 1)
-        replicas = [(i / steps, float(t["placement"].split("x")[0][1:])) for i, t in enumerate(timeline)]
+        replicas = [(i / steps, float(parse_placement_name(t["placement"]).replicas)) for i, t in enumerate(timeline)]
         most = max((r for _, r in replicas), default=1.0)
         steps_line(draw, (560, top, 880, top + 250), f"{gpus} GPUs: adaptive run, trainer replicas per step", {"replicas": replicas}, most * 1.2)
     image.save(path)

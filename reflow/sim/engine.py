@@ -118,9 +118,6 @@ class SimEngine:
     def num_active(self) -> int:
         return len(self.active)
 
-    def context_tokens(self) -> int:
-        return sum(seq.prompt_tokens + seq.generated for seq in self.running)
-
     # ---- the Engine protocol -------------------------------------------------------
 
     def add(self, req: Request) -> None:
@@ -204,28 +201,40 @@ class SimEngine:
             wake = self.next_wakeup()
             self.wait_until(until if wake is None else min(until, wake))
             return []
-        steps = min(max_steps, min(seq.remaining for seq in self.running))
+        # one pass: the macro-step's length (no sequence passes its end or its next tool call), the prefill it
+        # owes and the context it reads
+        steps, prefill, context = max_steps, 0, 0
         for seq in self.running:
+            remaining = seq.target_tokens - seq.generated
+            if remaining < steps:
+                steps = remaining
             for point in seq.turn_points:  # (empty without tool turns)
                 if point > seq.generated:
                     steps = min(steps, point - seq.generated)
                     break
-        # the cache: shorten the macro-step, or preempt the newest sequence when even one step overflows
-        while not self._fits(self.running + self.in_tool, extra=steps):
+            prefill += seq.needs_prefill
+            context += seq.prompt_tokens + seq.generated
+        # the cache: shorten the macro-step, or preempt the newest sequence when even one step overflows (``_fits``,
+        # its quick bound from the sums above)
+        size, budget = self.block_size, self.budget_blocks
+        at_tool = sum(seq.prompt_tokens + seq.generated for seq in self.in_tool)
+        while True:
+            count = len(self.running) + len(self.in_tool)
+            if (context + at_tool + steps * count) // size + count <= budget:
+                break
+            if self._blocks(self.running + self.in_tool, extra=steps) <= budget:
+                break
             if steps > 1:
                 steps = max(1, steps // 2)
                 continue
             victim = self.running.pop()
+            context -= victim.prompt_tokens + victim.generated
+            prefill -= victim.needs_prefill
             victim.needs_prefill = victim.prompt_tokens + victim.generated
             self.waiting.insert(0, victim)
             self.preemptions += 1
             if not self.running:
                 return []
-        prefill = context = 0
-        for seq in self.running:
-            prefill += seq.needs_prefill
-            context += seq.prompt_tokens + seq.generated
-            seq.needs_prefill = 0
         n = len(self.running)
         profile = self.profile
         seconds = steps * profile.step_seconds(n, context) + profile.context_token_s * n * steps * (steps - 1) / 2
@@ -238,7 +247,6 @@ class SimEngine:
         # the simulator's hottest loop; simulated tokens have no log-probs, and every one is the model's, so
         # ``model_spans`` is not kept), the KV blocks the step held (``_blocks``), and who finished or calls a tool
         tokens, versions = _ZEROS[:steps], [self.version] * steps
-        size = self.block_size
         shared: dict[str, int] = {}
         blocks = 0
         for seq in self.in_tool:
@@ -251,6 +259,7 @@ class SimEngine:
             req.output_ids += tokens
             req.versions += versions
             seq.generated += steps
+            seq.needs_prefill = 0
             full, rest = divmod(seq.prompt_tokens, size)
             shared[req.meta["group"]] = full
             blocks += -(-(rest + seq.generated) // size)

@@ -547,8 +547,6 @@ class DecoupledSim:
             engines = self.engines
             busy0 = sum(e.busy_s for e in engines)
             idle0 = sum(e.idle_s for e in engines)
-            steps0 = sum(e.engine_steps for e in engines)
-            sequences0 = sum(e.step_sequences for e in engines)
             self.received = self.received_tokens = 0
             self.latencies = []
             sync_s = 0.0
@@ -589,7 +587,9 @@ class DecoupledSim:
             if self.version % self.settings.interval == 0:
                 sync_s = self._sync()
             self.leader.publish(self.steps_done, self._view())
-            self.leader.rollout_window.clear()  # (the rows below read the engines' own counters)
+            # the workers' reports, as the live step's row reads them (busy and idle seconds come from the engines'
+            # clocks: a simulated worker never blocks, so its own idle count is zero)
+            reported = self.leader.rollout_window.close()
             self._collect_latencies()
             record = StepRecord(
                 step=self.steps_done, start=step_start, end=self.clock, wait_s=ready - step_start,
@@ -599,8 +599,8 @@ class DecoupledSim:
                 rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
                 placement=self.placement, staleness=staleness, received_tokens=self.received_tokens,
                 evicted=len(self.ledger["evicted_unused"]) - evicted_before, sync_s=sync_s,
-                engine_steps=sum(e.engine_steps for e in engines) - steps0,
-                step_sequences=sum(e.step_sequences for e in engines) - sequences0, latencies=self.latencies,
+                engine_steps=reported["rollout_engine_steps"], step_sequences=reported["rollout_step_sequences"],
+                latencies=self.latencies,
             )
             self.records.append(record)
             self.leader.placement_rows.append(record.as_row())
