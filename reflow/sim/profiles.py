@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from reflow.distributed.placement import parse_placement_name
+
 
 @dataclass(frozen=True)
 class CostProfile:
@@ -175,5 +177,4 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
 
 def trainer_ranks(placement: str) -> int:
     """Trainer ranks of a placement name: "T2x1+R2" -> 2, a colocated run of 2 ranks "T1x2+R0" -> 2."""
-    replicas, rest = placement[1:].split("x", 1)
-    return int(replicas) * int(rest.split("+", 1)[0])
+    return parse_placement_name(placement).trainer_ranks

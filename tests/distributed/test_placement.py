@@ -53,3 +53,14 @@ def test_rollout_tensor_parallel_placements_move_whole_engines():
     for world, rollout in ((6, 3), (5, 2)):
         with pytest.raises(ValueError, match="must be multiples of it"):
             build_placement(world, 1, -1, rollout, rollout_tp=2)
+
+
+def test_a_placement_name_reads_back_as_it_was_written():
+    from reflow.distributed.placement import parse_placement_name, placement_name
+
+    for replicas, shard, rollout, tp in [(2, 1, 2, 1), (1, 2, 0, 1), (3, 8, 5, 1), (2, 1, 4, 2)]:
+        parsed = parse_placement_name(placement_name(replicas, shard, rollout, tp))
+        assert (parsed.replicas, parsed.shard_degree, parsed.rollout_ranks, parsed.rollout_tp) == (replicas, shard, rollout, tp)
+    assert parse_placement_name("T3x8+R5").trainer_ranks == 24
+    with pytest.raises(ValueError, match="not a placement name"):
+        parse_placement_name("3x8+5")

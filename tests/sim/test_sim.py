@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from reflow.distributed.placement import parse_placement_name
 from reflow.rollout.request import Request
 from reflow.sim.engine import SimEngine, SimTrajectory, trajectory
 from reflow.sim.profiles import QWEN3_8B_H800, TINY_CPU, CostProfile, fit_profile
@@ -77,7 +78,7 @@ def test_the_planner_moves_ranks_toward_the_bottleneck_and_says_why():
     assert result["transitions"], result["timeline"]
     first = result["transitions"][0]
     assert first["transition"].startswith("T1x1+R7 -> T") and "samples/s at a predicted length" in first["reason"]
-    assert int(result["timeline"][-1]["placement"].split("x")[0][1:]) > 1
+    assert _replicas(result["timeline"][-1]["placement"]) > 1
 
 
 def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
@@ -110,7 +111,7 @@ def test_shipped_profiles_are_complete():
 
 
 def _replicas(placement: str) -> int:
-    return int(placement.split("x")[0][1:])
+    return parse_placement_name(placement).replicas
 
 
 def test_the_planner_follows_a_drifting_workload_both_ways():
