@@ -96,8 +96,8 @@ class RolloutEngine:
         self.build_time_s = time.time() - t0
         self.signal_reader = EngineSignalReader(self.llm)
         self.signals: EngineSignals = self.signal_reader.read()
-        self.block_size = self.signal_reader.block_size
         """KV usage, request counts and preemptions after the latest step (``reflow.rollout.kv_signals``)."""
+        self.block_size = self.signal_reader.block_size
         self.cfg = cfg
         self.version = 0
         self.sleeping = False

@@ -220,7 +220,8 @@ def cmd_compare(args) -> int:
     t0 = time.time()
     # the biggest first, so the pool's last job is a small one
     order = sorted(jobs, key=lambda key: -key[0])
-    with multiprocessing.get_context("spawn").Pool(max(1, min(args.workers or os.cpu_count() or 1, len(order)))) as pool:
+    processes = max(1, min(args.workers or os.cpu_count() or 1, len(order)))
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
         results = dict(zip(order, pool.map(simulate_job, [(jobs[key], profile, workload) for key in order], chunksize=1)))
     scales = {}
     for gpus, options in options_at.items():
@@ -254,7 +255,7 @@ def cmd_compare(args) -> int:
     }
     _write(args.out, result)
     _compare_png(args.out.replace(".json", ".png"), scales)
-    print(f"{seconds:.0f}s on {min(args.workers or os.cpu_count() or 1, len(order))} processes; wrote {args.out}")
+    print(f"{seconds:.0f}s on {processes} processes; wrote {args.out}")
     return 0
 
 

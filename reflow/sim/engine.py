@@ -88,20 +88,22 @@ class SimEngine:
 
     def _blocks(self, sequences: list[SimTrajectory], extra: int = 0) -> int:
         """Blocks ``sequences`` hold after ``extra`` more tokens each (full prompt blocks shared per group)."""
-        size = self.block_size
         shared: dict[str, int] = {}
-        total = 0
-        for seq in sequences:
-            full, rest = divmod(seq.prompt_tokens, size)
-            shared[seq.request.meta["group"]] = full
-            total += -(-(rest + seq.generated + extra) // size)
-        return total + sum(shared.values())
+        return sum(self._own_blocks(seq, shared, extra) for seq in sequences) + sum(shared.values())
 
-    def _fits(self, sequences: list[SimTrajectory], extra: int) -> bool:
+    def _own_blocks(self, seq: SimTrajectory, shared: dict[str, int], extra: int = 0) -> int:
+        """The blocks ``seq`` holds alone after ``extra`` more tokens; its group's full prompt blocks go to
+        ``shared`` (counted once per group)."""
+        full, rest = divmod(seq.prompt_tokens, self.block_size)
+        shared[seq.request.meta["group"]] = full
+        return -(-(rest + seq.generated + extra) // self.block_size)
+
+    def _fits(self, sequences: list[SimTrajectory], extra: int, tokens: int | None = None) -> bool:
         """``_blocks(sequences, extra) <= budget``, with a quick bound first: without sharing, each sequence holds
-        at most one block more than its tokens fill."""
-        tokens = sum(seq.prompt_tokens + seq.generated for seq in sequences) + extra * len(sequences)
-        if tokens // self.block_size + len(sequences) <= self.budget_blocks:
+        at most one block more than its tokens fill. ``tokens``: their prompt and generated tokens, if known."""
+        if tokens is None:
+            tokens = sum(seq.prompt_tokens + seq.generated for seq in sequences)
+        if (tokens + extra * len(sequences)) // self.block_size + len(sequences) <= self.budget_blocks:
             return True
         return self._blocks(sequences, extra) <= self.budget_blocks
 
@@ -214,16 +216,9 @@ class SimEngine:
                     break
             prefill += seq.needs_prefill
             context += seq.prompt_tokens + seq.generated
-        # the cache: shorten the macro-step, or preempt the newest sequence when even one step overflows (``_fits``,
-        # its quick bound from the sums above)
-        size, budget = self.block_size, self.budget_blocks
+        # the cache: shorten the macro-step, or preempt the newest sequence when even one step overflows
         at_tool = sum(seq.prompt_tokens + seq.generated for seq in self.in_tool)
-        while True:
-            count = len(self.running) + len(self.in_tool)
-            if (context + at_tool + steps * count) // size + count <= budget:
-                break
-            if self._blocks(self.running + self.in_tool, extra=steps) <= budget:
-                break
+        while not self._fits(self.running + self.in_tool, steps, tokens=context + at_tool):
             if steps > 1:
                 steps = max(1, steps // 2)
                 continue
@@ -248,11 +243,7 @@ class SimEngine:
         # ``model_spans`` is not kept), the KV blocks the step held (``_blocks``), and who finished or calls a tool
         tokens, versions = _ZEROS[:steps], [self.version] * steps
         shared: dict[str, int] = {}
-        blocks = 0
-        for seq in self.in_tool:
-            full, rest = divmod(seq.prompt_tokens, size)
-            shared[seq.request.meta["group"]] = full
-            blocks += -(-(rest + seq.generated) // size)
+        blocks = sum(self._own_blocks(seq, shared) for seq in self.in_tool)
         finished, tool, running = [], [], []
         for seq in self.running:
             req = seq.request
@@ -260,9 +251,7 @@ class SimEngine:
             req.versions += versions
             seq.generated += steps
             seq.needs_prefill = 0
-            full, rest = divmod(seq.prompt_tokens, size)
-            shared[req.meta["group"]] = full
-            blocks += -(-(rest + seq.generated) // size)
+            blocks += self._own_blocks(seq, shared)
             if seq.generated >= seq.target_tokens:
                 req.finish_reason = "length" if seq.generated >= req.max_tokens else "stop"
                 del self.active[req.request_id]

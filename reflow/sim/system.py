@@ -92,7 +92,7 @@ class SimConfig:
     def batch(self) -> int:
         return self.prompts_per_step * self.group_size
 
-    def job_config(self, profile: CostProfile | None = None, workload: Workload | None = None) -> JobConfig:
+    def job_config(self, profile: CostProfile, workload: Workload) -> JobConfig:
         """The live config this simulation stands for (what the live roles read), no evaluation."""
         cfg = JobConfig()
         cfg.training.mode = self.mode
@@ -100,10 +100,8 @@ class SimConfig:
         cfg.replay.sigma, cfg.replay.tau, cfg.replay.delta = self.sigma, self.tau, self.delta
         cfg.weight_sync.interval = self.interval
         cfg.rollout.b_max = self.b_max
-        if profile is not None:
-            cfg.rollout.max_num_seqs = profile.max_num_seqs
-        if workload is not None:
-            cfg.rollout.max_new_tokens = workload.max_tokens
+        cfg.rollout.max_num_seqs = profile.max_num_seqs
+        cfg.rollout.max_new_tokens = workload.max_tokens
         scheduler = cfg.scheduler
         scheduler.adaptive_concurrency, scheduler.kv_admission = self.adaptive_concurrency, self.kv_admission
         scheduler.rho, scheduler.response_percentile = self.rho, self.response_percentile
@@ -385,7 +383,7 @@ class DecoupledSim:
         )
         self.leader.enter(list(range(num_rollout)), dispatcher)
         self.runnable, self.in_heap = [], set()
-        self.reports_version = -1  # (budgets restarted, buffers handed over: every report is computed again)
+        self._forget_reports()  # (budgets restarted, buffers handed over)
         for worker in self.workers:
             worker.start()
         self.leader.publish(self.steps_done, self._view())  # (a Progress wakes every worker)
@@ -401,8 +399,7 @@ class DecoupledSim:
         start = self.clock
         held = []
         for index, worker in enumerate(self.workers):
-            self.control.queues[index].append(Transition(replicas))
-            ended = worker.take_commands()
+            ended = self._command_now(index, Transition(replicas))
             if not isinstance(ended, Transition):
                 raise RuntimeError(f"simulated worker {index} did not leave at a placement change: {ended!r}")
             held.append(worker.carried_out)
@@ -426,6 +423,12 @@ class DecoupledSim:
         if index not in self.in_heap:
             self.in_heap.add(index)
             heapq.heappush(self.runnable, (engine.clock, index))
+
+    def _command_now(self, index: int, command: Command) -> Command | None:
+        """A collective command (SyncWeights, Transition): worker ``index`` takes it, behind what was queued before
+        it, at once; returns the command that ended the worker, if one did."""
+        self.control.queues[index].append(command)
+        return self.workers[index].take_commands()
 
     def _is_runnable(self, index: int) -> bool:
         worker = self.workers[index]
@@ -501,6 +504,10 @@ class DecoupledSim:
         self.changed = set()
         return TrainerView.combine(self.reports)
 
+    def _forget_reports(self) -> None:
+        """Every shard changed (an eviction pass, a placement change): ``_view`` computes every report again."""
+        self.reports_version = -1
+
     def _ready(self) -> bool:
         """The trainer's wait loop (``DecoupledMode._wait_for_batch``) with instant moves: evict what aged, then
         exchange (the leader publishes Progress), move until no move is due, and report whether every shard can
@@ -509,7 +516,7 @@ class DecoupledSim:
             for shard in self.shards:
                 shard.evict_stale(self.version, "aged")
             self.evicted_at = self.version
-            self.changed.update(range(len(self.shards)))
+            self._forget_reports()
         per_shard = self.shards[0].batch_per_shard
         while True:
             view = self._view()
@@ -528,11 +535,10 @@ class DecoupledSim:
         start = self.clock
         for shard in self.shards:
             shard.evict_stale(self.version, "at_sync")
-        self.changed.update(range(len(self.shards)))
+        self._forget_reports()
         self.weight_sync.joined = []
-        for index, worker in enumerate(self.workers):
-            self.control.queues[index].append(SyncWeights(self.version))
-            if worker.take_commands() is not None:
+        for index in range(len(self.workers)):
+            if self._command_now(index, SyncWeights(self.version)) is not None:
                 raise RuntimeError(f"simulated worker {index} left at a weight sync")
         end = max([self.clock] + self.weight_sync.joined) + self.profile.weight_sync_s
         for engine in self.engines:
