@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from reflow.checkpoint import CheckpointManager
 from reflow.config.job_config import JobConfig
+from reflow.dataplane.collectives import reduce_stats
 from reflow.distributed.placement import Placement
 from reflow.metrics.logger import MetricsLogger
 from reflow.modes.prompts import PromptStream
@@ -241,51 +242,44 @@ class ModeBase:
             if not 0 <= age <= self.max_staleness:
                 raise RuntimeError(f"sample {s.uid} trained at staleness {age}, outside [0, {self.max_staleness}]")
             staleness[age] += 1
-        comp_tokens = sum(len(s.output_ids) for s in samples)
-        trainer_tokens = sum(len(s.prompt_ids) + len(s.output_ids) for s in trained)
         rewards = [s.reward for s in samples]
-        vec = torch.tensor(
-            [
-                sum(rewards),
-                sum(r * r for r in rewards),
-                len(samples),
-                comp_tokens,
-                trainer_tokens,
-                sum(1 for r in rewards if r >= 1.0),
-                sum(1 for s in samples if s.finish_reason == "length"),
-                sum(s.tool_calls for s in samples),
-                sum(s.tool_s for s in samples),
-                sum(len(s.output_ids) - len(s.logprobs) for s in samples),
-                *staleness,
-            ],
-            dtype=torch.float64,
-        )
-        dist.all_reduce(vec, group=self.trainer_group)
-        maxlen = torch.tensor([max((len(s.output_ids) for s in samples), default=0)], dtype=torch.float64)
-        dist.all_reduce(maxlen, op=dist.ReduceOp.MAX, group=self.trainer_group)
-        n = max(vec[2].item(), 1.0)
+        summed = reduce_stats({
+            "reward": sum(rewards),
+            "reward_squared": sum(r * r for r in rewards),
+            "samples": len(samples),
+            "response_tokens": sum(len(s.output_ids) for s in samples),
+            "trainer_tokens": sum(len(s.prompt_ids) + len(s.output_ids) for s in trained),
+            "solved": sum(1 for r in rewards if r >= 1.0),
+            "truncated": sum(1 for s in samples if s.finish_reason == "length"),
+            "tool_calls": sum(s.tool_calls for s in samples),
+            "tool_s": sum(s.tool_s for s in samples),
+            "env_tokens": sum(len(s.output_ids) - len(s.logprobs) for s in samples),
+            "staleness": staleness,
+        }, self.trainer_group)
+        longest = reduce_stats({"response_len": max((len(s.output_ids) for s in samples), default=0)}, self.trainer_group, op="max")
+        n = max(summed["samples"], 1.0)
         step_time = timer.elapsed()
-        mean = vec[0].item() / n
-        staleness_counts = [int(x) for x in vec[10:].tolist()]
+        mean = summed["reward"] / n
+        staleness_counts = [int(x) for x in summed["staleness"]]
         return {
             "reward_mean": mean,
-            "reward_std": max(vec[1].item() / n - mean * mean, 0.0) ** 0.5,
-            "solved_frac": vec[5].item() / n,
+            "reward_std": max(summed["reward_squared"] / n - mean * mean, 0.0) ** 0.5,
+            "solved_frac": summed["solved"] / n,
             "loss": stats.loss,
-            "tokens_per_s": vec[4].item() / max(step_time, 1e-9),
+            "tokens_per_s": summed["trainer_tokens"] / max(step_time, 1e-9),
             "step_time_s": step_time,
             "policy_version": self.version,
             "placement": self.parts.placement.name,
             "staleness_counts": staleness_counts,
             "staleness_max": max((k for k, n in enumerate(staleness_counts) if n), default=0),
-            "num_samples": int(vec[2].item()),
-            "trainer_tokens": int(vec[4].item()),
-            "response_len_mean": vec[3].item() / n,
-            "response_len_max": int(maxlen.item()),
-            "truncated_frac": vec[6].item() / n,
-            "tool_calls_mean": vec[7].item() / n,
-            "tool_latency_s": vec[8].item() / max(vec[7].item(), 1.0),
-            "env_token_frac": vec[9].item() / max(vec[3].item(), 1.0),
+            "num_samples": int(summed["samples"]),
+            "trainer_tokens": int(summed["trainer_tokens"]),
+            "response_len_mean": summed["response_tokens"] / n,
+            "response_len_max": int(longest["response_len"]),
+            "truncated_frac": summed["truncated"] / n,
+            "tool_calls_mean": summed["tool_calls"] / n,
+            "tool_latency_s": summed["tool_s"] / max(summed["tool_calls"], 1.0),
+            "env_token_frac": summed["env_tokens"] / max(summed["response_tokens"], 1.0),
             "gen_time_s": timer.get("gen"),
             "train_time_s": timer.get("train"),
             "weight_sync_s": timer.get("sync"),
@@ -306,7 +300,6 @@ class ModeBase:
         """Mean reward of one sample per held-out prompt, at the rollout temperature (every rank generates a share)."""
         parts = self.parts
         total, count = evaluate_share(parts, parts.turns, num_prompts, parts.rank, parts.world_size)
-        vec = torch.tensor([total, count], dtype=torch.float64)
-        dist.all_reduce(vec)
-        return vec[0].item() / max(vec[1].item(), 1.0)
+        summed = reduce_stats({"reward": total, "count": count}, None)
+        return summed["reward"] / max(summed["count"], 1.0)
 

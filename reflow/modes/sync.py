@@ -17,10 +17,12 @@ exactly the inefficiency the ``reflow`` mode removes.
 
 from __future__ import annotations
 
+from reflow.dataplane.collectives import reduce_stats
 from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.rollout.groups import make_group_requests
 from reflow.rollout.scoring import assign_advantages, score
 from reflow.trainer.batch import to_batch
+from reflow.types import WorkerStats
 
 
 class SyncMode(ModeBase):
@@ -50,10 +52,12 @@ class SyncMode(ModeBase):
         ]
         # 2. rollout with the current weights; the trainer's state waits in host memory meanwhile and the engine
         #    frees its memory for training afterwards (both on CUDA only)
+        engine_stats = WorkerStats()
         with timer("gen"):
             parts.trainer.park("optimizer", "parameters")
-            finished = parts.turns.generate(requests)
+            finished = parts.turns.generate(requests, engine_stats)
             parts.engine.sleep()
+        engine_stats.busy_s = timer.get("gen") - parts.turns.take_tool_wait()
         # 3. score
         samples = score(finished, parts.task, parts.tokenizer)
         assign_advantages(samples, training.normalize_adv_std, training.advantage_eps)
@@ -69,7 +73,15 @@ class SyncMode(ModeBase):
             if self.version % parts.cfg.weight_sync.interval == 0:
                 parts.trainer.park("optimizer")
                 parts.weight_sync.sync(parts.trainer, parts.engine, self.version)
-        return self.step_metrics(
+        row = self.step_metrics(
             samples, samples, stats, timer, trained_version,
             trainer_wait_s=timer.get("gen"), rollout_wait_s=timer.get("train") + timer.get("sync"),
         )
+        # the engines' window, summed over the ranks (the decoupled rows' keys: the simulator fits its colocated
+        # engine cost from them)
+        engines = reduce_stats({
+            "rollout_busy_s": engine_stats.busy_s, "rollout_engine_steps": engine_stats.engine_steps,
+            "rollout_step_sequences": engine_stats.step_sequences, "rollout_prefilled_tokens": engine_stats.prefilled_tokens,
+        }, self.trainer_group)
+        row.update({key: value if key == "rollout_busy_s" else int(value) for key, value in engines.items()})
+        return row

@@ -38,6 +38,7 @@ from reflow.tasks.base import Task
 
 if TYPE_CHECKING:
     from reflow.rollout.tokenizer import PromptTokenizer
+    from reflow.types import WorkerStats
 
 
 class TurnDriver:
@@ -97,14 +98,22 @@ class TurnDriver:
             self._route(req, finished)
         return finished
 
-    def generate(self, requests: Iterable[Request]) -> list[Request]:
+    def generate(self, requests: Iterable[Request], stats: "WorkerStats | None" = None) -> list[Request]:
         """Run trajectories to their end (the synchronous path). Everything the driver holds runs to its end and
-        is returned: use a driver that holds nothing else (a rollout worker evaluates on a driver of its own)."""
+        is returned: use a driver that holds nothing else (a rollout worker evaluates on a driver of its own).
+        ``stats``, if given, gains the engine steps, the sequences they stepped and the prompt tokens prefilled
+        (what a decoupled rollout worker reports, and what ``reflow.sim.profiles.fit_profile`` reads)."""
         for req in requests:
             self.add(req)
+            if stats is not None:
+                stats.prefilled_tokens += len(req.prompt_ids)
         done: list[Request] = []
         while self.num_active:
+            sequences = self.engine.num_active
             done.extend(self.step())
+            if stats is not None and self.stepped:
+                stats.engine_steps += self.engine.decode_steps
+                stats.step_sequences += sequences * self.engine.decode_steps
         return done
 
     def hold_all(self) -> list[Request]:

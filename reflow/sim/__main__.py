@@ -1,6 +1,6 @@
 """The simulator's commands.
 
-    python -m reflow.sim fit --metrics outputs/bench/*/metrics.jsonl [--name tiny-cpu] [--out profile.json]
+    python -m reflow.sim fit --metrics outputs/bench/*/metrics.jsonl [--name tiny-cpu] [--warmup-steps 5] [--out profile.json]
     python -m reflow.sim validate [--real outputs/bench/modes.json] [--out outputs/sim/validate.json]
     python -m reflow.sim compare [--scales 8,32,128] [--steps 24] [--out outputs/sim/compare.json]
 
@@ -47,7 +47,7 @@ def _write(path: str, result: dict) -> None:
 
 
 def cmd_fit(args) -> int:
-    profile = fit_profile(args.metrics, args.name)
+    profile = fit_profile(args.metrics, args.name, warmup_steps=args.warmup_steps)
     print(json.dumps(profile.as_dict(), indent=2))
     if args.out:
         _write(args.out, profile.as_dict())
@@ -80,7 +80,11 @@ def cmd_validate(args) -> int:
     if missing:
         print(f"reflow.sim validate: {', '.join(missing)} not found: run `python -m reflow.bench modes` first", file=sys.stderr)
         return 2
-    profile = fit_profile(list(metrics.values()), "tiny-cpu (fitted)")
+    # two engine placements, two profiles: the decoupled modes' rollout rank generates while the trainer rank
+    # trains beside it; sync mode's engines generate while their trainer waits (its own rows fit it)
+    decoupled = [metrics[mode] for mode in MODES if mode != "sync"]
+    profile = fit_profile(decoupled, "tiny-cpu (fitted)", warmup_steps=bench["warmup"])
+    colocated = fit_profile([metrics["sync"]], "tiny-cpu colocated (fitted)", warmup_steps=bench["warmup"])
     dataset = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
     detail, throughput_errors, idle_errors = {}, [], []
     for mode in MODES:
@@ -99,7 +103,7 @@ def cmd_validate(args) -> int:
             sigma=cfg.replay.sigma, tau=cfg.replay.tau, delta=cfg.replay.delta,
             interval=1 if mode == "sync" else cfg.weight_sync.interval, b_max=cfg.rollout.b_max, warmup_steps=bench["warmup"],
             macro_steps=1,  # the live engine's granularity: admission and commands after every decode step
-        ), profile, workload)
+        ), colocated if mode == "sync" else profile, workload)
         throughput = abs(sim["tokens_per_s"] - measured["tokens_per_s"]) / measured["tokens_per_s"]
         idle = max(abs(sim["trainer_idle_ratio"] - measured["trainer_idle_ratio"]),
                    abs(sim["rollout_idle_ratio"] - measured["rollout_idle_ratio"]))
@@ -124,6 +128,7 @@ def cmd_validate(args) -> int:
         "command": "python -m reflow.sim validate",
         "real": os.path.relpath(args.real, ROOT) if os.path.isabs(args.real) else args.real,
         "profile": profile.as_dict(),
+        "sync_profile": colocated.as_dict(),
         "workload": {
             "train_file": cfg.task.train_file, "prompt_tokens": dataset.prompt_tokens,
             "response_tokens": "the file's answer lengths, scaled per mode to the run's mean generated response length",
@@ -161,7 +166,7 @@ ABSOLUTE_ERROR_KEYS = frozenset({"trainer_idle_ratio", "rollout_idle_ratio", "ev
 def _measured_detail(metrics_path: str, warmup: int) -> dict:
     """From a benchmark run's metrics.jsonl (steps past warm-up) and ledger: the mean sequences in flight per
     engine step, the weight-sync seconds per step, and the mean admission-to-finish seconds of a sample
-    (None where the mode does not measure it: sync mode has no rollout reports and no ledger)."""
+    (None where the mode does not measure it: sync mode has no ledger)."""
     rows = [json.loads(line) for line in open(metrics_path)]
     steps = [r for r in rows if "loss" in r and r.get("step", 0) > warmup]
     engine_steps = sum(r.get("rollout_engine_steps", 0) for r in steps)
@@ -284,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     fit = sub.add_parser("fit", help="a cost profile from a run's metrics.jsonl")
     fit.add_argument("--metrics", required=True, nargs="+", help="one or more metrics.jsonl files")
     fit.add_argument("--name", default="fitted")
+    fit.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the fit (compilation, cold caches)")
     fit.add_argument("--out", default="")
     validate = sub.add_parser("validate", help="simulated against measured, on the modes benchmark")
     validate.add_argument("--real", default=os.path.join("outputs", "bench", "modes.json"))

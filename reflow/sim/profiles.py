@@ -117,13 +117,15 @@ def _least_squares(rows: list[tuple[float, ...]], targets: list[float]) -> list[
     return solution.tolist()
 
 
-def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CPU) -> CostProfile:
-    """A profile from real runs' metrics.jsonl files (several modes of one benchmark, or one run):
+def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CPU, warmup_steps: int = 0) -> CostProfile:
+    """A profile from real runs' metrics.jsonl files (several modes of one benchmark, or one run), their rows
+    after step ``warmup_steps`` (the first steps compile and warm caches: seconds, against tenths after):
 
       engine    busy seconds of each rollout window against its engine steps, the sequences they stepped and,
                 where every window reports them, the tokens prefilled (new prompts, and the prefix of every
-                held request again after a weight sync): decoupled runs' rows carry rollout_engine_steps,
-                rollout_step_sequences and rollout_prefilled_tokens
+                held request again after a weight sync): a decoupled run's rows carry rollout_engine_steps,
+                rollout_step_sequences and rollout_prefilled_tokens for each report window, a sync run's for
+                each step's generation (its engines, summed over the ranks)
       trainer   train_time_s of each step against 1, its tokens per trainer rank and whether the trainer had
                 more than one rank (the collectives)
       sync      the mean weight_sync_s of the steps that synced
@@ -132,12 +134,12 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     report it, a transition when none happened) keep ``base``'s values."""
     rows = []
     for path in metrics_paths:
-        rows += [json.loads(line) for line in open(path)]
+        rows += [row for row in map(json.loads, open(path)) if row.get("step", warmup_steps + 1) > warmup_steps]
     windows = [r for r in rows if r.get("rollout_engine_steps")]
     steps = [r for r in rows if "train_time_s" in r and "placement" in r]
     if len(windows) < 3 or len(steps) < 3:
         raise ValueError(
-            f"{', '.join(metrics_paths)}: need at least 3 steps of a decoupled run with rollout windows "
+            f"{', '.join(metrics_paths)}: need at least 3 steps of a run with rollout windows "
             f"(found {len(windows)} windows, {len(steps)} steps)"
         )
     prefills = all("rollout_prefilled_tokens" in r for r in windows)

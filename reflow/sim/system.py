@@ -635,6 +635,7 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
     for step in range(1, cfg.steps + 1):
         start = clock
         busy0, idle0 = sum(e.busy_s for e in engines), sum(e.idle_s for e in engines)
+        steps0, sequences0 = sum(e.engine_steps for e in engines), sum(e.step_sequences for e in engines)
         tokens = [0] * cfg.gpus
         for prompt in range(cfg.prompts_per_step):
             rank = prompt % cfg.gpus
@@ -659,6 +660,8 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
             step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(tokens), sync_s=profile.weight_sync_s,
             received=cfg.batch, fresh=cfg.batch, replayed=0,
             rollout_busy_s=sum(e.busy_s for e in engines) - busy0, rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
+            engine_steps=sum(e.engine_steps for e in engines) - steps0,
+            step_sequences=sum(e.step_sequences for e in engines) - sequences0,
             placement=placement_name(1, cfg.gpus, 0),
         ))
     return summarize(records, cfg.warmup_steps, [])
