@@ -26,7 +26,8 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    exceeds the cost of a transition (the last measured one, else ``transition_cost_s``). Except: when one
    side has idled above ``idle_threshold`` (the trainer waiting for samples, or the rollout ranks having no
    room) for ``idle_windows`` windows in a row, (a) and (c) are waived and the choice is taken if it moves
-   ranks toward the idle side's opposite; the cooldown still holds.
+   ranks toward the idle side's opposite and is predicted faster than the current placement at all (a
+   choice won by step 4's tie-break, no faster, would move ranks back and forth); the cooldown still holds.
 """
 
 from __future__ import annotations
@@ -300,7 +301,7 @@ class PlacementPlanner:
             f"length of {self.predicted_length(rates):.0f} tokens, saves {saving:.1f}s over {settings.horizon_steps} steps "
             f"against a {self.transition_cost_s:.1f}s transition"
         )
-        if idle_side is not None:
+        if idle_side is not None and chosen.throughput > current.throughput:
             return PlacementDecision(
                 step, replicas, chosen.replicas,
                 f"{summary}; the {idle_side} side idled above {settings.idle_threshold} for {self.idle_streak[idle_side]} windows",

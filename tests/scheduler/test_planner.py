@@ -89,6 +89,22 @@ def test_an_idle_side_re_decides_regardless_of_the_margin():
     assert second.target == 2 and "trainer side idled" in second.reason
 
 
+def test_the_idle_override_never_takes_a_placement_predicted_slower():
+    """The live run's oscillation: the current placement is within TIE of the best but out of the band, so step
+    4's tie-break picks an in-band one predicted slower. An idle trainer must not move the run to it."""
+    plan = planner(margin=0.0, idle_windows=1, cooldown_steps=0)
+    current = Candidate(3, 1, production=20.0, consumption=10.0, throughput=10.0, coverage=2.0, step_s=1.6)
+    slower_in_band = Candidate(2, 2, production=7.0, consumption=10.1, throughput=9.9, coverage=0.69, step_s=1.62)
+    plan.candidates = lambda rates: [current, slower_in_band]
+    decision = plan.decide(4, 3, rows(trained=96))  # the trainer waits half of every step
+    assert plan.idle_streak["trainer"] == 1 and plan.choose([current, slower_in_band], 3) is slower_in_band
+    assert decision.target is None and "margin" in decision.reason
+    faster_in_band = Candidate(2, 2, production=7.0, consumption=10.5, throughput=10.1, coverage=0.67, step_s=1.58)
+    plan.candidates = lambda rates: [current, faster_in_band]
+    decision = plan.decide(6, 3, rows(trained=96, first_step=5))
+    assert decision.target == 2 and "trainer side idled" in decision.reason
+
+
 def test_a_growing_length_is_predicted_at_the_horizon():
     plan = planner(horizon_steps=10)
     plan.decide(4, 2, rows(length=100.0))
