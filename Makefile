@@ -1,7 +1,7 @@
 # ReFlow quick start. Each target creates/reuses .venv and installs what is missing.
 #   make train   - train the tiny embedded default on CPU (2 ranks, no download)
 #   make test    - run the test suite
-#   make bench   - a benchmark that writes JSON (BENCH=modes|resize|generation|trainer, default modes)
+#   make bench   - a benchmark that writes JSON (BENCH=modes|resize|generation|trainer|sandbox, default modes)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +9,7 @@ NPROC  ?= 2
 CONFIG ?= train_configs/tiny.toml
 STAMP  := $(VENV)/.reflow-installed
 
-.PHONY: install train test bench clean-venv
+.PHONY: install sandbox-tools train test bench clean-venv
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,10 +21,14 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
-train: $(STAMP)
+# bubblewrap, the code sandbox's boundary (never fails: tasks that need it refuse to start without it)
+sandbox-tools:
+	@bash torchrun_scripts/install_sandbox.sh
+
+train: $(STAMP) sandbox-tools
 	NPROC=$(NPROC) CONFIG=$(CONFIG) PYTHON=$(PY) bash torchrun_scripts/run_train.sh $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) sandbox-tools
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -289,6 +289,13 @@ class TaskSection:
     """Sandboxed code: CPU seconds per run."""
     sandbox_memory_mb: int = 1024
     """Sandboxed code: address space per run (MiB)."""
+    sandbox_python: str = ""
+    """Sandboxed code: the interpreter that runs it ("": this Python's base interpreter when the unprivileged
+    sandbox user can read it, else /usr/bin/python3). Only its standard library is visible to the code."""
+    sandbox_allow_unisolated: bool = False
+    """Sandboxed code: where bubblewrap or user namespaces are missing, run model-written code anyway, with
+    resource limits and an audit hook only (unsafe: hostile code gets past both; logged as a warning). False:
+    such a run refuses to start, saying what to install."""
     tool_workers: int = 8
     """Multi-turn tasks: threads per rollout rank that run environment calls (tools, sandboxed code) while the
     engine generates for the other trajectories."""

@@ -34,8 +34,10 @@ class PromptTokenizer:
         return list(self.tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
 
     def encode_continuation(self, text: str) -> list[int]:
-        """Tokens that continue a sequence (an environment's answer inside a response): no BOS."""
-        return self.tok(text, add_special_tokens=False).input_ids
+        """Tokens that continue a sequence (an environment's answer inside a response): no BOS, and text that
+        spells a special token ("<|im_end|>" printed by sandboxed code) stays text: an environment cannot end
+        the turn, or open a new one, by printing the marker."""
+        return self.tok(text, add_special_tokens=False, split_special_tokens=True).input_ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,157 @@
+"""The sandbox's second layer: a seccomp filter that bubblewrap loads (``bwrap --seccomp FD``) just before it
+executes the sandboxed interpreter, so that every process of a run, and everything they start, carries it.
+
+The filter is classic BPF, assembled here (no libseccomp needed at run time). It reads the system call's
+architecture and number (and, for a few calls, one argument) and returns:
+
+  kill     a call made through another ABI than this machine's (i386 through ``int 0x80``, x32): the numbers
+           below would not mean the same calls there
+  ENOSYS   clone3, whose flags sit in memory a filter cannot read; the C library then falls back to clone,
+           whose flags it can
+  EPERM    namespaces (unshare, setns, clone with a CLONE_NEW* flag), mounts and the new mount API, chroot,
+           device nodes (mknod), ptrace and other processes' memory (process_vm_readv/writev, kcmp), process
+           descriptors (pidfd_open, pidfd_getfd, pidfd_send_signal), resource limits of another process
+           (prlimit64 with a pid), memfd_create and memfd_secret, io_uring, System V shared memory and
+           message queues and POSIX message queues (memory outside the address-space limit), sockets of any
+           family but AF_UNIX, terminal input injection (TIOCSTI, TIOCLINUX), and the kernel's own
+           interfaces (modules, kexec, bpf, perf events, userfaultfd, keyrings, file handles, clocks,
+           swap, accounting, reboot, syslog, personality, I/O ports)
+  EOPNOTSUPP  extended attributes: "not supported" is what Python's shutil expects of a file system
+           without them, so copying files keeps working
+  allow    everything else
+
+A syscall table exists for x86_64 only; elsewhere ``program`` raises ``SeccompUnsupported`` and the sandbox
+refuses to start (``reflow.envs.isolation``).
+"""
+
+from __future__ import annotations
+
+import errno
+import platform
+import struct
+
+AUDIT_ARCH_X86_64 = 0xC000003E
+X32_SYSCALL_BIT = 0x40000000
+
+# classic BPF opcodes (linux/filter.h) and seccomp return values (linux/seccomp.h)
+LD_W_ABS = 0x20
+JEQ_K = 0x15
+JGE_K = 0x35
+JSET_K = 0x45
+RET_K = 0x06
+RET_KILL_PROCESS = 0x80000000
+RET_ERRNO = 0x00050000
+RET_ALLOW = 0x7FFF0000
+
+# struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6]
+OFFSET_NR = 0
+OFFSET_ARCH = 4
+
+
+def _arg_low(index: int) -> int:
+    """Offset of the low 32 bits of argument ``index`` (little-endian)."""
+    return 16 + 8 * index
+
+
+CLONE_NAMESPACE_FLAGS = (
+    0x00000080  # CLONE_NEWTIME
+    | 0x00020000  # CLONE_NEWNS
+    | 0x02000000  # CLONE_NEWCGROUP
+    | 0x04000000  # CLONE_NEWUTS
+    | 0x08000000  # CLONE_NEWIPC
+    | 0x10000000  # CLONE_NEWUSER
+    | 0x20000000  # CLONE_NEWPID
+    | 0x40000000  # CLONE_NEWNET
+)
+AF_UNIX = 1
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
+
+X86_64_DENIED: dict[str, int] = {
+    # namespaces and mounts
+    "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
+    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+    "mount_setattr": 442,
+    # device nodes
+    "mknod": 133, "mknodat": 259,
+    # other processes
+    "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
+    "pidfd_open": 434, "pidfd_getfd": 438, "pidfd_send_signal": 424,
+    # memory outside the address-space limit, and io_uring (its operations bypass this filter)
+    "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30, "msgget": 68, "mq_open": 240,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+    # the kernel's own interfaces
+    "init_module": 175, "finit_module": 313, "delete_module": 176, "kexec_load": 246, "kexec_file_load": 320,
+    "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "keyctl": 250, "add_key": 248, "request_key": 249,
+    "open_by_handle_at": 304, "name_to_handle_at": 303, "lookup_dcookie": 212, "fanotify_init": 300,
+    "settimeofday": 164, "clock_settime": 227, "adjtimex": 159, "clock_adjtime": 305,
+    "swapon": 167, "swapoff": 168, "acct": 163, "quotactl": 179, "reboot": 169, "syslog": 103,
+    "personality": 135, "iopl": 172, "ioperm": 173, "vhangup": 153, "uselib": 134,
+}
+"""System calls refused with EPERM whatever their arguments."""
+
+X86_64_XATTR: dict[str, int] = {
+    "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "getxattr": 191, "lgetxattr": 192, "fgetxattr": 193,
+    "listxattr": 194, "llistxattr": 195, "flistxattr": 196, "removexattr": 197, "lremovexattr": 198,
+    "fremovexattr": 199, "setxattrat": 463, "getxattrat": 464, "listxattrat": 465, "removexattrat": 466,
+}
+"""Extended attributes: refused with EOPNOTSUPP."""
+
+X86_64_ARGUMENT_RULES = {"clone": 56, "clone3": 435, "prlimit64": 302, "socket": 41, "ioctl": 16}
+
+
+class SeccompUnsupported(RuntimeError):
+    """No syscall table for this machine's architecture."""
+
+
+def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> tuple[int, int, int, int]:
+    return code, jt, jf, k
+
+
+def _instructions() -> list[tuple[int, int, int, int]]:
+    eperm, enosys, eopnotsupp = RET_ERRNO | errno.EPERM, RET_ERRNO | errno.ENOSYS, RET_ERRNO | errno.EOPNOTSUPP
+    load_nr = _op(LD_W_ABS, OFFSET_NR)
+    program = [
+        _op(LD_W_ABS, OFFSET_ARCH),
+        _op(JEQ_K, AUDIT_ARCH_X86_64, jt=1),
+        _op(RET_K, RET_KILL_PROCESS),
+        load_nr,
+        _op(JGE_K, X32_SYSCALL_BIT, jf=1),
+        _op(RET_K, RET_KILL_PROCESS),
+    ]
+    for number in X86_64_DENIED.values():  # each: "if nr == number: return EPERM"
+        program += [_op(JEQ_K, number, jf=1), _op(RET_K, eperm)]
+    for number in X86_64_XATTR.values():
+        program += [_op(JEQ_K, number, jf=1), _op(RET_K, eopnotsupp)]
+    rules = X86_64_ARGUMENT_RULES
+    program += [_op(JEQ_K, rules["clone3"], jf=1), _op(RET_K, enosys)]
+    # each block below: "if nr == N: load an argument; test it; return EPERM or fall through", then the number
+    # is loaded again for the next block (both paths of a block end on that load)
+    program += [  # clone(flags, ...): no CLONE_NEW* flag
+        _op(JEQ_K, rules["clone"], jf=3), _op(LD_W_ABS, _arg_low(0)), _op(JSET_K, CLONE_NAMESPACE_FLAGS, jf=1),
+        _op(RET_K, eperm), load_nr,
+    ]
+    program += [  # prlimit64(pid, ...): pid 0 (this process) only; the kernel reads pid as a 32-bit int
+        _op(JEQ_K, rules["prlimit64"], jf=3), _op(LD_W_ABS, _arg_low(0)), _op(JEQ_K, 0, jt=1),
+        _op(RET_K, eperm), load_nr,
+    ]
+    program += [  # socket(domain, ...): AF_UNIX only (the network namespace has no route out either)
+        _op(JEQ_K, rules["socket"], jf=3), _op(LD_W_ABS, _arg_low(0)), _op(JEQ_K, AF_UNIX, jt=1),
+        _op(RET_K, eperm), load_nr,
+    ]
+    program += [  # ioctl(fd, request, ...): no terminal input injection (request is a 32-bit unsigned int)
+        _op(JEQ_K, rules["ioctl"], jf=4), _op(LD_W_ABS, _arg_low(1)), _op(JEQ_K, TIOCSTI, jt=1),
+        _op(JEQ_K, TIOCLINUX, jf=1), _op(RET_K, eperm),
+    ]
+    program.append(_op(RET_K, RET_ALLOW))
+    return program
+
+
+def program(machine: str | None = None) -> bytes:
+    """The filter as the bytes of its ``struct sock_filter`` array (what ``bwrap --seccomp`` reads)."""
+    machine = machine or platform.machine()
+    if machine not in ("x86_64", "AMD64"):
+        raise SeccompUnsupported(
+            f"the sandbox's seccomp filter has a system-call table for x86_64 only (this machine is {machine})"
+        )
+    return b"".join(struct.pack("=HBBI", *instruction) for instruction in _instructions())
