@@ -86,17 +86,15 @@ def cmd_validate(args) -> int:
     profile = fit_profile(decoupled, "tiny-cpu (fitted)", warmup_steps=bench["warmup"])
     colocated = fit_profile([metrics["sync"]], "tiny-cpu colocated (fitted)", warmup_steps=bench["warmup"])
     dataset = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
+    generated = {mode: _generated_lengths(metrics[mode]) for mode in MODES}
     detail, throughput_errors, idle_errors = {}, [], []
     for mode in MODES:
         measured = real["modes"][mode]
-        # the task's answer lengths, scaled to what the policy wrote in this run (it learns as it trains): the
-        # lengths generated (received by the shards, evicted ones too) where the run logged them, else trained
-        rows = [json.loads(line) for line in open(metrics[mode]) if "response_len_mean" in line]
-        key = "received_response_len_mean" if all("received_response_len_mean" in row for row in rows) else "response_len_mean"
-        lengths = [row[key] for row in rows if row.get("received_samples", 1)]
-        mean_dataset = sum(dataset.empirical) / len(dataset.empirical)
-        scale = (sum(lengths) / len(lengths)) / mean_dataset
-        workload = dataclasses.replace(dataset, empirical=tuple(max(1, round(n * scale)) for n in dataset.empirical))
+        # the lengths the policy wrote in this run (it is not the dataset's answers: the tiny model stops short
+        # of the longest chains), from its ledger; sync mode keeps none, so it draws from the decoupled runs'
+        # (the same task, starting policy and step count)
+        lengths = generated[mode] or [n for other in MODES if other != "sync" for n in generated[other]]
+        workload = dataclasses.replace(dataset, empirical=tuple(lengths)) if lengths else dataset
         sim = simulate(SimConfig(
             mode=mode, gpus=world, prompts_per_step=cfg.training.prompts_per_step, group_size=cfg.training.group_size,
             steps=int(round(measured["steps"])), replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
@@ -131,7 +129,7 @@ def cmd_validate(args) -> int:
         "sync_profile": colocated.as_dict(),
         "workload": {
             "train_file": cfg.task.train_file, "prompt_tokens": dataset.prompt_tokens,
-            "response_tokens": "the file's answer lengths, scaled per mode to the run's mean generated response length",
+            "response_tokens": "the lengths each run generated (its ledger; sync mode: the decoupled runs')",
         },
         "throughput_error": max(throughput_errors),
         "idle_error": max(idle_errors),
@@ -161,6 +159,14 @@ def cmd_validate(args) -> int:
 
 
 ABSOLUTE_ERROR_KEYS = frozenset({"trainer_idle_ratio", "rollout_idle_ratio", "evicted_fraction"})
+
+
+def _generated_lengths(metrics_path: str) -> list[int]:
+    """The response length of every sample a run's rollout workers sent (its ledger, beside metrics.jsonl)."""
+    return [
+        entry["response_len"] for path in sorted(glob.glob(os.path.join(os.path.dirname(metrics_path), "ledger", "rank*.json")))
+        for entry in json.load(open(path))["sent"]
+    ]
 
 
 def _measured_detail(metrics_path: str, warmup: int) -> dict:
