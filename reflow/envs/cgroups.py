@@ -18,12 +18,12 @@ later by a background thread.
 from __future__ import annotations
 
 import atexit
-import functools
 import itertools
 import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 logger = logging.getLogger("reflow")
@@ -40,8 +40,8 @@ class CgroupLayout:
     pids_parent: str
 
 
-def _mounts() -> list[tuple[str, str, set[str]]]:
-    """(mount point, file system type, super options) of every cgroup mount."""
+def _mounts() -> list[tuple[str, str, str, set[str]]]:
+    """(mount point, root of the hierarchy it shows, file system type, super options) of every cgroup mount."""
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -49,7 +49,7 @@ def _mounts() -> list[tuple[str, str, set[str]]]:
             separator = fields.index("-")
             fstype, options = fields[separator + 1], set(fields[separator + 3].split(","))
             if fstype in ("cgroup", "cgroup2"):
-                out.append((fields[4], fstype, options))
+                out.append((fields[4], fields[3], fstype, options))
     return out
 
 
@@ -64,49 +64,112 @@ def _own_paths() -> dict[str, str]:
     return out
 
 
-def _usable(parent: str) -> bool:
-    """Whether this process can make (and remove) a cgroup in ``parent``."""
-    probe = os.path.join(parent, f"reflow-probe-{os.getpid()}")
+def _folder(point: str, root: str, own: str) -> str:
+    """This process's cgroup folder under a mount that shows the hierarchy from ``root`` (a container's
+    mount often shows its own cgroup as the mount's top)."""
+    if root != "/" and (own == root or own.startswith(root + "/")):
+        own = own[len(root):]
+    return os.path.join(point, own.lstrip("/"))
+
+
+_detect_lock = threading.Lock()
+_made: list[str] = []
+"""Folders this process made at detection (removed at exit, innermost first)."""
+_UNSET = object()
+_detected: object = _UNSET
+
+
+def _make(folder: str) -> None:
+    os.mkdir(folder)
+    _made.append(folder)
+
+
+def _check_run(layout: "CgroupLayout") -> bool:
+    """Make, limit and remove one run cgroup: what every run will do."""
     try:
-        os.makedirs(parent, exist_ok=True)
-        os.mkdir(probe)
-        os.rmdir(probe)
+        RunCgroup(layout, 64 << 20, 8).remove(wait_s=1.0)
         return True
     except OSError:
         return False
 
 
-@functools.lru_cache(maxsize=1)
-def detect() -> CgroupLayout | None:
-    """The per-run cgroup layout this host allows (checked once per process), or None."""
+def detect() -> "CgroupLayout | None":
+    """The per-run cgroup layout this host allows (checked once per process, under a lock), or None."""
+    global _detected
+    with _detect_lock:
+        if _detected is _UNSET:
+            _detected = _detect()
+        return _detected
+
+
+def _sweep(folder: str) -> None:
+    """Remove what processes that died without cleaning up (SIGKILL) left in ``folder``: their
+    ``reflow-sandbox-<pid>-*`` folders and the empty run cgroups in them."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[:2] != ["reflow", "sandbox"] or not parts[2].isdigit():
+            continue
+        if parts[2] != str(os.getpid()) and os.path.exists(f"/proc/{parts[2]}"):
+            continue  # its process lives
+        stale = os.path.join(folder, name)
+        try:
+            runs = [entry for entry in os.listdir(stale) if entry.startswith("run-")]
+        except OSError:
+            continue
+        for run in runs:
+            _remove_folder(os.path.join(stale, run))
+        _remove_folder(stale)
+
+
+def _detect() -> "CgroupLayout | None":
     try:
         mounts, own = _mounts(), _own_paths()
     except (OSError, ValueError):
         return None
-    name = f"reflow-sandbox-{os.getpid()}"
-    v1 = {controller: point for point, fstype, options in mounts if fstype == "cgroup" for controller in ("memory", "pids") if controller in options}
+    name = f"reflow-sandbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    v1 = {
+        controller: (point, root) for point, root, fstype, options in mounts if fstype == "cgroup"
+        for controller in ("memory", "pids") if controller in options
+    }
     if "memory" in v1 and "pids" in v1 and "memory" in own and "pids" in own:
-        memory = os.path.join(v1["memory"], own["memory"].lstrip("/"), name)
-        pids = os.path.join(v1["pids"], own["pids"].lstrip("/"), name)
-        if _usable(memory) and _usable(pids):
-            atexit.register(_remove_folder, memory)
-            atexit.register(_remove_folder, pids)
-            return CgroupLayout(1, memory, pids)
-        _remove_folder(memory), _remove_folder(pids)
-    unified = next((point for point, fstype, _ in mounts if fstype == "cgroup2"), None)
-    if unified is not None and "" in own:
-        mine = os.path.join(unified, own[""].lstrip("/"))
+        memory = os.path.join(_folder(*v1["memory"], own["memory"]), name)
+        pids = os.path.join(_folder(*v1["pids"], own["pids"]), name)
+        _sweep(os.path.dirname(memory))
+        _sweep(os.path.dirname(pids))
         try:
-            with open(os.path.join(mine, "cgroup.subtree_control")) as f:
-                delegated = set(f.read().split())
+            _make(memory)
+            _make(pids)
+            layout = CgroupLayout(1, memory, pids)
+            if _check_run(layout):
+                return layout
         except OSError:
-            delegated = set()
-        # a v2 cgroup with processes of its own cannot enable controllers for children ("no internal
-        # processes"): only a subtree delegated with memory and pids enabled already is usable
-        if {"memory", "pids"} <= delegated and _usable(os.path.join(mine, name)):
-            atexit.register(_remove_folder, os.path.join(mine, name))
-            return CgroupLayout(2, os.path.join(mine, name), os.path.join(mine, name))
+            pass
+        _remove_made()
+    unified = next(((point, root) for point, root, fstype, _ in mounts if fstype == "cgroup2"), None)
+    if unified is not None and "" in own:
+        parent = os.path.join(_folder(*unified, own[""]), name)
+        _sweep(os.path.dirname(parent))
+        try:
+            # a v2 cgroup can give controllers to its children only if it holds no process itself: the folder
+            # made here holds none, so it can, provided this process's cgroup gives it memory and pids
+            _make(parent)
+            _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
+            layout = CgroupLayout(2, parent, parent)
+            if _check_run(layout):
+                return layout
+        except OSError:
+            pass
+        _remove_made()
     return None
+
+
+def _remove_made() -> None:
+    while _made:
+        _remove_folder(_made.pop())
 
 
 def _write(path: str, value: str) -> None:
@@ -129,7 +192,7 @@ class RunCgroup:
 
     def __init__(self, layout: CgroupLayout, memory_bytes: int, processes: int):
         self.layout = layout
-        name = f"run-{next(_counter)}"
+        name = f"run-{next(_counter)}-{uuid.uuid4().hex[:8]}"
         self.memory_dir = os.path.join(layout.memory_parent, name)
         self.pids_dir = os.path.join(layout.pids_parent, name)
         self.dirs = [self.memory_dir] if layout.version == 2 else [self.memory_dir, self.pids_dir]
@@ -141,6 +204,8 @@ class RunCgroup:
                 swap = os.path.join(self.memory_dir, "memory.memsw.limit_in_bytes")
                 if os.path.exists(swap):
                     _write(swap, str(memory_bytes))
+                else:  # no swap accounting: keep the run's pages out of swap instead
+                    _write(os.path.join(self.memory_dir, "memory.swappiness"), "0")
                 _write(os.path.join(self.pids_dir, "pids.max"), str(processes))
             else:
                 _write(os.path.join(self.memory_dir, "memory.max"), str(memory_bytes))
@@ -170,17 +235,39 @@ class RunCgroup:
             pass
         return 0
 
-    def remove(self) -> None:
-        """Remove the cgroup(s); ones still busy (the run's last processes exiting) go in the background."""
-        left = [folder for folder in self.dirs if not _remove_folder(folder)]
+    def remove(self, wait_s: float = 0.5) -> None:
+        """Remove the cgroup(s), waiting up to ``wait_s`` for the run's last processes to be released (they are
+        dead: the teardown waited for the sandbox's init); ones still busy go to a background thread."""
+        left = _remove_within(list(self.dirs), wait_s)
         if left:
-            threading.Thread(target=_remove_later, args=(left,), daemon=True, name="sandbox-cgroup-cleanup").start()
+            with _pending_lock:
+                _pending.extend(left)
+            threading.Thread(target=_remove_pending, args=(30.0,), daemon=True, name="sandbox-cgroup-cleanup").start()
 
 
-def _remove_later(folders: list[str], seconds: float = 30.0) -> None:
+_pending: list[str] = []
+_pending_lock = threading.Lock()
+
+
+def _remove_within(folders: list[str], seconds: float) -> list[str]:
     until = time.time() + seconds
+    folders = [folder for folder in folders if not _remove_folder(folder)]
     while folders and time.time() < until:
-        time.sleep(0.05)
+        time.sleep(0.01)
         folders = [folder for folder in folders if not _remove_folder(folder)]
-    if folders:
-        logger.warning(f"sandbox: could not remove the run cgroups {folders}")
+    return folders
+
+
+def _remove_pending(seconds: float) -> None:
+    with _pending_lock:
+        folders, _pending[:] = list(_pending), []
+    left = _remove_within(folders, seconds)
+    if left:
+        logger.warning(f"sandbox: could not remove the run cgroups {left}")
+
+
+@atexit.register
+def _remove_everything() -> None:
+    """At exit: the runs' cgroups still pending, then the folders made at detection."""
+    _remove_pending(2.0)
+    _remove_made()

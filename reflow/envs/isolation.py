@@ -10,12 +10,16 @@ run is root on the host, in any namespace, at any moment. bwrap gives it:
   user         uid and gid 65534 inside too, no capabilities, no_new_privs
   files        a root of bwrap's own, read-only (``--remount-ro /``), holding only: the interpreter, its
                standard library and the shared libraries they load, each bound read-only from the host; a
-               private ``/proc`` of the run's PID namespace; bwrap's minimal ``/dev`` (null, zero, full,
-               random, urandom, tty), read-only; size-limited tmpfs mounts at ``/work`` (the working
+               private ``/proc`` of the run's PID namespace (kernel addresses and host-wide tables masked); a
+               ``/dev`` of null, zero, full, random and urandom only (no pseudo-terminals), read-only;
+               size-limited tmpfs mounts at ``/work`` (the working
                directory), ``/tmp`` and ``/dev/shm``; the code at ``/work/main.py`` and the launcher
                (``reflow.envs.sandbox_child``), both copied in read-only. Nothing of the host is writable
                from inside, and nothing else of it is there: no /etc, no home, no sockets.
-  process      ``--die-with-parent`` (a run cannot outlive the rollout worker), ``--new-session`` (no
+  process      the launcher is the namespace's init (``--as-pid-1``), so every process of the run descends
+               from it after its resource limits; the parent ends every run by SIGKILL to it through a
+               process descriptor, which takes the whole PID namespace with it; ``--die-with-parent`` (a
+               run cannot outlive the rollout worker), ``--new-session`` (no
                controlling terminal), a cleared environment from bwrap's own start (it is spawned with
                none; PATH, HOME and LANG are set for the code), the seccomp filter of
                ``reflow.envs.seccomp`` loaded just before the interpreter starts
@@ -158,6 +162,22 @@ def choose_interpreter(requested: str, uid: int | None) -> str:
     )
 
 
+DEV_NODES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+PROC_MASKED = ("/proc/kallsyms", "/proc/kcore", "/proc/keys", "/proc/key-users", "/proc/timer_list", "/proc/sched_debug",
+               "/proc/sysrq-trigger", "/proc/latency_stats", "/proc/slabinfo", "/proc/vmallocinfo")
+
+
+@dataclass(frozen=True)
+class BwrapDescriptors:
+    """The descriptors bwrap reads (the code, the launcher, the filter, the block) and writes (its info)."""
+
+    code: int
+    launcher: int
+    seccomp: int
+    info: int
+    block: int
+
+
 @dataclass(frozen=True)
 class Mounts:
     """The sizes of the run's writable tmpfs mounts (bytes)."""
@@ -198,28 +218,37 @@ class KernelBoundary:
         return boundary
 
     def arguments(
-        self, mounts: Mounts, code_fd: int, launcher_fd: int, seccomp_fd: int, launcher_args: list[str],
-        handshake: list[str] = (),
+        self, mounts: Mounts, fds: "BwrapDescriptors", launcher_args: list[str],
     ) -> list[str]:
-        """The command line: bwrap's options (``handshake``: ``--info-fd``/``--block-fd`` for a per-run cgroup),
-        then the interpreter running the launcher."""
+        """The command line: bwrap's options, then the interpreter running the launcher. bwrap reports its
+        child's pid on ``fds.info`` and waits on ``fds.block`` before the program starts (the parent's
+        handshake: limits on the sandbox's init, the cgroup, a process descriptor to end it by)."""
         args = [
             self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--as-pid-1",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORKDIR, "--setenv", "LANG", "C.UTF-8",
             "--setenv", "TMPDIR", "/tmp",
         ]
         for path in self.interpreter.paths:
             args += ["--ro-bind", path, path]
+        args += ["--proc", "/proc"]
+        for path in PROC_MASKED:  # kernel addresses and host-wide state: read as empty
+            if os.path.exists(path):
+                args += ["--ro-bind", "/dev/null", path]
+        # a /dev of the few nodes a program reads, and no devpts (its pseudo-terminals are a host-wide pool)
+        args += ["--tmpfs", "/dev"]
+        for node in DEV_NODES:
+            args += ["--dev-bind", node, node]
+        args += ["--symlink", "/proc/self/fd", "/dev/fd"]
         args += [
-            "--proc", "/proc", "--dev", "/dev",
             "--size", str(mounts.shm_bytes), "--tmpfs", "/dev/shm",
             "--size", str(mounts.tmp_bytes), "--tmpfs", "/tmp",
             "--size", str(mounts.work_bytes), "--tmpfs", WORKDIR,
-            "--perms", "0444", "--ro-bind-data", str(code_fd), f"{WORKDIR}/main.py",
-            "--perms", "0444", "--ro-bind-data", str(launcher_fd), LAUNCHER_PATH,
+            "--perms", "0444", "--ro-bind-data", str(fds.code), f"{WORKDIR}/main.py",
+            "--perms", "0444", "--ro-bind-data", str(fds.launcher), LAUNCHER_PATH,
             "--remount-ro", "/dev", "--remount-ro", "/",
-            "--chdir", WORKDIR, "--seccomp", str(seccomp_fd), *handshake,
+            "--chdir", WORKDIR, "--seccomp", str(fds.seccomp), "--info-fd", str(fds.info), "--block-fd", str(fds.block),
             "--", self.interpreter.executable, "-I", LAUNCHER_PATH, *launcher_args,
         ]
         return args

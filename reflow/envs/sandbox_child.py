@@ -5,10 +5,11 @@ Standard library only. In the kernel boundary it is copied in read-only and runs
 user under the seccomp filter already; it is not trusted for anything after the code starts, since the code
 runs in this same interpreter. Before the code runs, in this order:
 
-  1. resource limits, hard and soft alike, which an unprivileged process cannot raise again: CPU seconds
-     (SIGXCPU, then SIGKILL a second later), address space, file size (a write past it fails with EFBIG),
-     open files, processes (counted in the run's own user namespace), POSIX message queues (none), no core
-     dumps
+  1. resource limits (``SandboxLimits.rlimits``: the parent set them on the sandbox's init already, so this
+     repeats them for the path without the boundary), which an unprivileged process cannot raise again: CPU
+     seconds (the kernel's SIGKILL at the limit), address space, file size (a write past it fails with
+     EFBIG), open files, processes (counted in the run's own user namespace), POSIX message queues (none),
+     no core dumps
   2. (``audit_hook``) an audit hook, the third layer, which words refusals for the model: no network, no
      other programs, no ctypes, no signals to other processes, no files outside the working directory, /tmp
      and the installation (for reading). The kernel layers hold without it.
@@ -22,10 +23,6 @@ import resource
 import signal
 import sys
 import traceback
-
-
-def _limit(name: str, value: int, hard: int | None = None) -> None:
-    resource.setrlimit(getattr(resource, name), (value, value if hard is None else hard))
 
 
 def _install_guard(workdir: str) -> None:
@@ -89,14 +86,8 @@ def _install_guard(workdir: str) -> None:
 def main() -> None:
     limits = json.loads(sys.argv[1])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the file-size limit fails with EFBIG instead
-    _limit("RLIMIT_CORE", 0)
-    cpu_s = max(1, int(limits["cpu_s"]))
-    _limit("RLIMIT_CPU", cpu_s, cpu_s + 1)  # SIGXCPU at the soft limit, SIGKILL a second later
-    _limit("RLIMIT_AS", int(limits["memory_mb"]) << 20)
-    _limit("RLIMIT_FSIZE", int(limits["file_size_mb"]) << 20)
-    _limit("RLIMIT_NOFILE", int(limits["open_files"]))
-    _limit("RLIMIT_NPROC", int(limits["processes"]))
-    _limit("RLIMIT_MSGQUEUE", 0)
+    for name, (soft, hard) in limits["rlimits"].items():  # ``SandboxLimits.rlimits``
+        resource.setrlimit(getattr(resource, name), (soft, hard))
     with open("main.py", encoding="utf-8") as f:
         source = f.read()
     sys.argv = ["main.py"]

@@ -9,9 +9,11 @@ architecture and number (and, for a few calls, one argument) and returns:
   ENOSYS   clone3, whose flags sit in memory a filter cannot read; the C library then falls back to clone,
            whose flags it can
   EPERM    namespaces (unshare, setns, clone with a CLONE_NEW* flag), mounts and the new mount API, chroot,
-           device nodes (mknod), ptrace and other processes' memory (process_vm_readv/writev, kcmp), process
-           descriptors (pidfd_open, pidfd_getfd, pidfd_send_signal), resource limits of another process
-           (prlimit64 with a pid), memfd_create and memfd_secret, io_uring, System V shared memory and
+           device nodes (mknod), ptrace and other processes' memory (process_vm_readv/writev, kcmp,
+           process_madvise, process_mrelease), process descriptors (pidfd_open, pidfd_getfd,
+           pidfd_send_signal, clone with CLONE_PIDFD), resource limits of any process (prlimit64 with a
+           pid other than 0; the run's own limits are set before it starts), inotify (a per-user
+           counter the host shares), memfd_create and memfd_secret, io_uring, System V shared memory and
            message queues and POSIX message queues (memory outside the address-space limit), sockets of any
            family but AF_UNIX, terminal input injection (TIOCSTI, TIOCLINUX), and the kernel's own
            interfaces (modules, kexec, bpf, perf events, userfaultfd, keyrings, file handles, clocks,
@@ -62,6 +64,7 @@ CLONE_NAMESPACE_FLAGS = (
     | 0x10000000  # CLONE_NEWUSER
     | 0x20000000  # CLONE_NEWPID
     | 0x40000000  # CLONE_NEWNET
+    | 0x00001000  # CLONE_PIDFD: a process descriptor by another door
 )
 AF_UNIX = 1
 TIOCSTI = 0x5412
@@ -71,12 +74,12 @@ X86_64_DENIED: dict[str, int] = {
     # namespaces and mounts
     "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161,
     "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-    "mount_setattr": 442,
+    "mount_setattr": 442, "open_tree_attr": 467, "statmount": 457, "listmount": 458, "quotactl_fd": 443,
     # device nodes
     "mknod": 133, "mknodat": 259,
     # other processes
     "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
-    "pidfd_open": 434, "pidfd_getfd": 438, "pidfd_send_signal": 424,
+    "pidfd_open": 434, "pidfd_getfd": 438, "pidfd_send_signal": 424, "process_madvise": 440, "process_mrelease": 448,
     # memory outside the address-space limit, and io_uring (its operations bypass this filter)
     "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "shmat": 30, "msgget": 68, "mq_open": 240,
     "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
@@ -86,7 +89,9 @@ X86_64_DENIED: dict[str, int] = {
     "open_by_handle_at": 304, "name_to_handle_at": 303, "lookup_dcookie": 212, "fanotify_init": 300,
     "settimeofday": 164, "clock_settime": 227, "adjtimex": 159, "clock_adjtime": 305,
     "swapon": 167, "swapoff": 168, "acct": 163, "quotactl": 179, "reboot": 169, "syslog": 103,
-    "personality": 135, "iopl": 172, "ioperm": 173, "vhangup": 153, "uselib": 134,
+    "personality": 135, "iopl": 172, "ioperm": 173, "vhangup": 153, "uselib": 134, "lsm_set_self_attr": 460,
+    # counters of the host user, shared by every run (and by the rollout worker when it is not root)
+    "inotify_init": 253, "inotify_init1": 294,
 }
 """System calls refused with EPERM whatever their arguments."""
 
