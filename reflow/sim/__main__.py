@@ -250,8 +250,11 @@ def cmd_compare(args) -> int:
         print(f"{gpus:4d} GPUs: " + "  ".join(f"{m} {row[m]['tokens_per_s']:.0f}" for m in ("sync", "one_step_off", "async", "reflow_static_best", "reflow_adaptive"))
               + f"  adaptive/static-best {row['adaptive_vs_static_best']:.2f}")
     seconds = time.time() - t0
+    slowest = sorted(results, key=lambda key: -results[key]["wall_s"])[:4]
+    print("slowest simulations: " + ", ".join(f"{gpus} GPUs {mode} {results[gpus, mode]['wall_s']:.0f}s" for gpus, mode in slowest))
     result = {
         "command": "python -m reflow.sim compare",
+        "simulation_wall_s": {f"{gpus}/{mode}": round(value["wall_s"], 2) for (gpus, mode), value in results.items()},
         "profile": profile.as_dict(),
         "workload": dataclasses.asdict(workload),
         "steps": args.steps,

@@ -45,6 +45,11 @@ class SimTrajectory:
     prompt_tokens: int = 0
     generated: int = 0
     """``len(request.prompt_ids)``, ``len(request.output_ids)``: set when an engine takes the request."""
+    group: str = ""
+    prompt_full_blocks: int = 0
+    prompt_rest: int = 0
+    """The group, and the prompt's full KV blocks (shared by the group) and the tokens past them: set with
+    ``prompt_tokens``."""
 
     @property
     def remaining(self) -> int:
@@ -94,9 +99,8 @@ class SimEngine:
     def _own_blocks(self, seq: SimTrajectory, shared: dict[str, int], extra: int = 0) -> int:
         """The blocks ``seq`` holds alone after ``extra`` more tokens; its group's full prompt blocks go to
         ``shared`` (counted once per group)."""
-        full, rest = divmod(seq.prompt_tokens, self.block_size)
-        shared[seq.request.meta["group"]] = full
-        return -(-(rest + seq.generated + extra) // self.block_size)
+        shared[seq.group] = seq.prompt_full_blocks
+        return -(-(seq.prompt_rest + seq.generated + extra) // self.block_size)
 
     def _fits(self, sequences: list[SimTrajectory], extra: int, tokens: int | None = None) -> bool:
         """``_blocks(sequences, extra) <= budget``, with a quick bound first: without sharing, each sequence holds
@@ -127,6 +131,8 @@ class SimEngine:
         again, and one whose tool has not answered yet waits for it first."""
         seq = trajectory(req)
         seq.request, seq.prompt_tokens, seq.generated = req, len(req.prompt_ids), len(req.output_ids)
+        seq.group = req.meta["group"]
+        seq.prompt_full_blocks, seq.prompt_rest = divmod(seq.prompt_tokens, self.block_size)
         if seq.remaining <= 0:
             raise ValueError(f"request {req.request_id} has no tokens left to generate")
         seq.needs_prefill = seq.prompt_tokens + seq.generated
@@ -245,14 +251,16 @@ class SimEngine:
         shared: dict[str, int] = {}
         blocks = sum(self._own_blocks(seq, shared) for seq in self.in_tool)
         finished, tool, running = [], [], []
+        block_size = self.block_size
         for seq in self.running:
             req = seq.request
             req.output_ids += tokens
             req.versions += versions
-            seq.generated += steps
+            generated = seq.generated = seq.generated + steps
             seq.needs_prefill = 0
-            blocks += self._own_blocks(seq, shared)
-            if seq.generated >= seq.target_tokens:
+            shared[seq.group] = seq.prompt_full_blocks  # ``_own_blocks``, inlined
+            blocks -= -(seq.prompt_rest + generated) // block_size
+            if generated >= seq.target_tokens:
                 req.finish_reason = "length" if seq.generated >= req.max_tokens else "stop"
                 del self.active[req.request_id]
                 finished.append(req)
