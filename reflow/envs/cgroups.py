@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 logger = logging.getLogger("reflow")
 
@@ -140,30 +141,40 @@ def _detect() -> "CgroupLayout | None":
         pids = os.path.join(_folder(*v1["pids"], own["pids"]), name)
         _sweep(os.path.dirname(memory))
         _sweep(os.path.dirname(pids))
-        try:
+
+        def separate_layout() -> CgroupLayout:
             _make(memory)
             _make(pids)
-            layout = CgroupLayout(1, memory, pids)
-            if _check_run(layout):
-                return layout
-        except OSError:
-            pass
-        _remove_made()
+            return CgroupLayout(1, memory, pids)
+
+        layout = _set_up(separate_layout)
+        if layout is not None:
+            return layout
     unified = next(((point, root) for point, root, fstype, _ in mounts if fstype == "cgroup2"), None)
     if unified is not None and "" in own:
         parent = os.path.join(_folder(*unified, own[""]), name)
         _sweep(os.path.dirname(parent))
-        try:
+
+        def unified_layout() -> CgroupLayout:
             # a v2 cgroup can give controllers to its children only if it holds no process itself: the folder
             # made here holds none, so it can, provided this process's cgroup gives it memory and pids
             _make(parent)
             _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
-            layout = CgroupLayout(2, parent, parent)
-            if _check_run(layout):
-                return layout
-        except OSError:
-            pass
-        _remove_made()
+            return CgroupLayout(2, parent, parent)
+
+        return _set_up(unified_layout)
+    return None
+
+
+def _set_up(make: "Callable[[], CgroupLayout]") -> "CgroupLayout | None":
+    """The layout ``make`` builds if a run cgroup works in it; else None, with what it made removed."""
+    try:
+        layout = make()
+        if _check_run(layout):
+            return layout
+    except OSError:
+        pass
+    _remove_made()
     return None
 
 
