@@ -41,3 +41,14 @@ def run_torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | No
 @pytest.fixture
 def root() -> str:
     return ROOT
+
+
+def require_kernel_sandbox():
+    """The code sandbox's kernel boundary on this host, or a skip that prints what is missing (bubblewrap, user
+    namespaces): tests of tasks that run model code need it (``make test`` installs bubblewrap where it can)."""
+    from reflow.envs.isolation import KernelBoundary, SandboxUnavailable
+
+    try:
+        return KernelBoundary.for_host()
+    except SandboxUnavailable as error:
+        pytest.skip(f"kernel sandbox unavailable on this host: {error}")

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.conftest import require_kernel_sandbox, run_torchrun
 
 # config, steps, learning rate, the least rise of the held-out reward from the starting policy to the final one
 # (measured on 256 prompts, paired: the same prompts and sampling seeds for both policies)
@@ -28,6 +28,8 @@ def _rows(folder):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tiny_variant_learns(tmp_path, variant):
+    if variant == "coding":  # its test runner is the code sandbox
+        require_kernel_sandbox()
     config, steps, rise = VARIANTS[variant]
     dump = str(tmp_path / variant)
     run_torchrun(2, ["-m", "reflow.train", "--config", config, f"--job.dump_folder={dump}", f"--training.steps={steps}",

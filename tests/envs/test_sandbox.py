@@ -36,6 +36,7 @@ from reflow.envs.isolation import SANDBOX_UID, KernelBoundary
 from reflow.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from reflow.tasks.base import Problem
 from reflow.tasks.retool import PythonInterpreter
+from tests.conftest import require_kernel_sandbox
 
 LIMITS = SandboxLimits(wall_s=4.0, cpu_s=2.0, memory_mb=256, file_size_mb=64, disk_mb=16, shm_mb=4, output_bytes=2048,
                        output_cap_bytes=1 << 20, processes=16)
@@ -45,10 +46,7 @@ MEMORY_BOUND = (LIMITS.memory_mb << 20) + 2 * (LIMITS.disk_mb << 20) + (LIMITS.s
 
 
 def kernel_boundary_or_skip() -> KernelBoundary:
-    try:
-        return KernelBoundary.for_host()
-    except SandboxUnavailable as error:
-        pytest.skip(f"kernel sandbox unavailable on this host: {error}")
+    return require_kernel_sandbox()
 
 
 class Host:

@@ -14,7 +14,7 @@ from reflow.tasks import build_task, load_problems
 from reflow.tasks.base import Problem
 from reflow.tasks.calculator import Calculator, evaluate
 from reflow.tools.make_workload_samples import APPS_PROBLEMS, MATH_PROBLEMS
-from tests.conftest import ROOT, TINY_HF
+from tests.conftest import ROOT, TINY_HF, require_kernel_sandbox
 
 MATH_FILE = f"{ROOT}/assets/data/math_sample.parquet"
 APPS_FILE = f"{ROOT}/assets/data/apps_sample.jsonl"
@@ -117,6 +117,7 @@ def test_math_sample_scripted_completions(math_problems):
 
 @pytest.fixture(scope="module")
 def retool():
+    require_kernel_sandbox()
     task = build_task(TaskSection(name="retool", max_turns=3, **SANDBOX))
     yield task
     task.verifier.close()
@@ -159,6 +160,7 @@ def test_retool_hostile_code_is_contained(retool, math_problems, code, says):
 
 @pytest.fixture(scope="module")
 def coding():
+    require_kernel_sandbox()
     return build_task(TaskSection(name="coding_agent", max_turns=3, **SANDBOX))
 
 
