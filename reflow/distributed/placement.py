@@ -28,28 +28,14 @@ def placement_name(replicas: int, shard_degree: int, rollout_ranks: int, rollout
     return f"T{replicas}x{shard_degree}+R{rollout}"
 
 
-@dataclass(frozen=True)
-class PlacementName:
-    """``placement_name`` read back: "T2x1+R2" -> replicas 2, shard degree 1, 2 rollout ranks (tp 1)."""
-
-    replicas: int
-    shard_degree: int
-    rollout_ranks: int
-    rollout_tp: int = 1
-
-    @property
-    def trainer_ranks(self) -> int:
-        return self.replicas * self.shard_degree
-
-
-def parse_placement_name(name: str) -> PlacementName:
-    """The inverse of ``placement_name``; a string it did not write is one clear error."""
+def parse_placement_name(name: str) -> "Placement":
+    """The inverse of ``placement_name``: the ``Placement`` it names (its world: the trainer ranks and the rollout
+    ranks, which a colocated placement's "R0" adds nothing to); a string it did not write is one clear error."""
     match = _PLACEMENT_NAME.fullmatch(name)
     if match is None:
         raise ValueError(f"{name!r} is not a placement name (T<replicas>x<shard degree>+R<rollout ranks>[x<tp>])")
-    replicas, shard, engines, tp = match.groups()
-    tp = int(tp) if tp else 1
-    return PlacementName(int(replicas), int(shard), int(engines) * tp, tp)
+    replicas, shard, engines, tp = (int(group) if group else 1 for group in match.groups())
+    return Placement(replicas * shard + engines * tp, replicas, shard, engines * tp, tp)
 
 
 _PLACEMENT_NAME = re.compile(r"T(\d+)x(\d+)\+R(\d+)(?:x(\d+))?")

@@ -286,7 +286,7 @@ def _compare_png(path: str, scales: dict) -> None:
         }, 1.0)
         timeline = row["reflow_adaptive"]["timeline"]
         steps = max(len(timeline), 1)
-        replicas = [(i / steps, float(parse_placement_name(t["placement"]).replicas)) for i, t in enumerate(timeline)]
+        replicas = [(i / steps, float(parse_placement_name(t["placement"]).replicate_degree)) for i, t in enumerate(timeline)]
         most = max((r for _, r in replicas), default=1.0)
         steps_line(draw, (560, top, 880, top + 250), f"{gpus} GPUs: adaptive run, trainer replicas per step", {"replicas": replicas}, most * 1.2)
     image.save(path)

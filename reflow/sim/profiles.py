@@ -179,4 +179,4 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
 
 def trainer_ranks(placement: str) -> int:
     """Trainer ranks of a placement name: "T2x1+R2" -> 2, a colocated run of 2 ranks "T1x2+R0" -> 2."""
-    return parse_placement_name(placement).trainer_ranks
+    return parse_placement_name(placement).num_trainer_ranks

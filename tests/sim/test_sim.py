@@ -111,7 +111,7 @@ def test_shipped_profiles_are_complete():
 
 
 def _replicas(placement: str) -> int:
-    return parse_placement_name(placement).replicas
+    return parse_placement_name(placement).replicate_degree
 
 
 def test_the_planner_follows_a_drifting_workload_both_ways():
