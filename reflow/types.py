@@ -182,6 +182,14 @@ class WorkerStats:
         return self.kv_usage_sum / self.engine_steps if self.engine_steps else 0.0
 
 
+ENGINE_WINDOW_KEYS = {
+    "rollout_busy_s": "busy_s", "rollout_engine_steps": "engine_steps", "rollout_step_sequences": "step_sequences",
+    "rollout_prefilled_tokens": "prefilled_tokens",
+}
+"""Metrics-row key -> ``WorkerStats`` field of an engine window: what the decoupled modes' leader and sync mode
+log, and what ``reflow.sim.profiles.fit_profile`` reads."""
+
+
 assert set(WorkerStats.SUMMED) <= {f.name for f in fields(WorkerStats)}
 
 @dataclass(frozen=True)

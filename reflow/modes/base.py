@@ -22,7 +22,7 @@ from reflow.rollout.turns import TurnDriver
 from reflow.stopping import NonFiniteGuard, StopSignals
 from reflow.tasks.base import Problem, Task
 from reflow.trainer.policy import PolicyTrainer, StepStats
-from reflow.types import Sample
+from reflow.types import ENGINE_WINDOW_KEYS, Sample, WorkerStats
 from reflow.weight_sync.broadcast import WeightSync
 
 
@@ -226,6 +226,7 @@ class ModeBase:
         trained_version: int,
         trainer_wait_s: float,
         rollout_wait_s: float,
+        engine_window: WorkerStats | None = None,
     ) -> dict:
         """Metrics of one step over the trainer ranks (all ranks in colocated modes).
 
@@ -234,7 +235,8 @@ class ModeBase:
         per tool call (environment time, apart from engine time) and the share of response tokens the
         environment wrote (in context, never trained on) too. ``staleness_counts[k]``
         is how many trained samples were k versions older than the policy ``trained_version`` they
-        trained."""
+        trained. ``engine_window``: this rank's engine time and counts over the step (a colocated mode), summed
+        over the ranks in the same reduction, under the decoupled rows' keys (``ENGINE_WINDOW_KEYS``)."""
         samples = new_samples
         staleness = [0] * (self.max_staleness + 1)
         for s in trained:
@@ -255,6 +257,7 @@ class ModeBase:
             "tool_s": sum(s.tool_s for s in samples),
             "env_tokens": sum(len(s.output_ids) - len(s.logprobs) for s in samples),
             "staleness": staleness,
+            **({key: getattr(engine_window, field) for key, field in ENGINE_WINDOW_KEYS.items()} if engine_window else {}),
         }, self.trainer_group)
         longest = reduce_stats({"response_len": max((len(s.output_ids) for s in samples), default=0)}, self.trainer_group, op="max")
         n = max(summed["samples"], 1.0)
@@ -292,6 +295,7 @@ class ModeBase:
             "behavior_logprob_gap": stats.behavior_kl,
             "behavior_logprob_gap_max": stats.max_abs_logprob_diff,
             "skipped_updates": stats.skipped_updates,
+            **{key: summed[key] if key == "rollout_busy_s" else int(summed[key]) for key in ENGINE_WINDOW_KEYS if key in summed},
         }
 
     # ---- evaluation ----------------------------------------------------------------

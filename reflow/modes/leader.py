@@ -22,7 +22,7 @@ from reflow.scheduler import PlacementController
 from reflow.scheduler.dispatch import DispatchRule, GroupDispatcher
 from reflow.scheduler.placement import ForcedSchedule
 from reflow.scheduler.planner import PlacementDecision
-from reflow.types import EvalShare, TrainerView, WorkerStats
+from reflow.types import ENGINE_WINDOW_KEYS, EvalShare, TrainerView, WorkerStats
 
 
 class RolloutWindow:
@@ -54,12 +54,9 @@ class RolloutWindow:
             reports, total = {}, WorkerStats()
         return {
             **self.carried,
-            "rollout_busy_s": total.busy_s,
+            **{key: getattr(total, field) for key, field in ENGINE_WINDOW_KEYS.items()},
             "rollout_idle_s": total.idle_s,
             "rollout_tool_wait_s": total.tool_wait_s,
-            "rollout_engine_steps": total.engine_steps,
-            "rollout_step_sequences": total.step_sequences,
-            "rollout_prefilled_tokens": total.prefilled_tokens,
             "preemptions": total.preemptions,
             "admitted_groups": total.admitted_groups,
             "gate_refusals": total.gate_refusals,

@@ -17,7 +17,6 @@ exactly the inefficiency the ``reflow`` mode removes.
 
 from __future__ import annotations
 
-from reflow.dataplane.collectives import reduce_stats
 from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.rollout.groups import make_group_requests
 from reflow.rollout.scoring import assign_advantages, score
@@ -73,15 +72,9 @@ class SyncMode(ModeBase):
             if self.version % parts.cfg.weight_sync.interval == 0:
                 parts.trainer.park("optimizer")
                 parts.weight_sync.sync(parts.trainer, parts.engine, self.version)
-        row = self.step_metrics(
+        # with the engines' window, summed over the ranks (the simulator fits its colocated engine cost from it)
+        return self.step_metrics(
             samples, samples, stats, timer, trained_version,
             trainer_wait_s=timer.get("gen"), rollout_wait_s=timer.get("train") + timer.get("sync"),
+            engine_window=engine_stats,
         )
-        # the engines' window, summed over the ranks (the decoupled rows' keys: the simulator fits its colocated
-        # engine cost from them)
-        engines = reduce_stats({
-            "rollout_busy_s": engine_stats.busy_s, "rollout_engine_steps": engine_stats.engine_steps,
-            "rollout_step_sequences": engine_stats.step_sequences, "rollout_prefilled_tokens": engine_stats.prefilled_tokens,
-        }, self.trainer_group)
-        row.update({key: value if key == "rollout_busy_s" else int(value) for key, value in engines.items()})
-        return row

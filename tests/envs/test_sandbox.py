@@ -45,10 +45,6 @@ MEMORY_BOUND = (LIMITS.memory_mb << 20) + 2 * (LIMITS.disk_mb << 20) + (LIMITS.s
 """What one process of a run may hold: its address space and the three tmpfs mounts."""
 
 
-def kernel_boundary_or_skip() -> KernelBoundary:
-    return require_kernel_sandbox()
-
-
 class Host:
     """The host state the attacks aim at, and the checks of it."""
 
@@ -338,7 +334,7 @@ tmpfs, a namespace where the target does not exist), so that an attack cannot pa
 
 @pytest.fixture(scope="module")
 def host():
-    kernel_boundary_or_skip()
+    require_kernel_sandbox()
     state = Host()
     yield state
     state.close()
@@ -346,7 +342,7 @@ def host():
 
 @pytest.fixture(scope="module", params=["kernel layers only", "as a task builds it"])
 def interpreter(request):
-    boundary = kernel_boundary_or_skip()
+    boundary = require_kernel_sandbox()
     sandbox = Sandbox(LIMITS, boundary=boundary, audit_hook=request.param != "kernel layers only")
     return PythonInterpreter(sandbox, shown_chars=4096)
 
@@ -409,7 +405,7 @@ def test_a_run_dies_with_its_parent(host, tmp_path):
 
 
 def test_ordinary_code_runs():
-    sandbox = Sandbox(LIMITS, boundary=kernel_boundary_or_skip())
+    sandbox = Sandbox(LIMITS, boundary=require_kernel_sandbox())
     result = sandbox.run("import math, json\nname = input()\nprint(json.dumps({'hi': name, 'r': math.isqrt(99)}))", stdin="ann\n")
     assert result.status == "ok", result.stderr
     assert result.stdout == '{"hi": "ann", "r": 9}\n'
@@ -437,7 +433,7 @@ def test_status_comes_from_the_wait_status(code, status, says):
     # a wall clock far past the CPU limit, so that a loaded machine still hits the CPU limit first (the sleep
     # case is the wall clock's own)
     limits = dataclasses.replace(LIMITS, wall_s=LIMITS.wall_s if status == "timeout" else 120.0)
-    result = Sandbox(limits, boundary=kernel_boundary_or_skip()).run(code)
+    result = Sandbox(limits, boundary=require_kernel_sandbox()).run(code)
     assert result.status == status, (result.status, result.exit_code, result.stderr[-300:])
     assert says in result.message()
 
@@ -493,7 +489,7 @@ def test_sandbox_failures_score_zero_and_the_worker_goes_on(monkeypatch):
     and an error reply for ReTool; nothing raises."""
     from reflow.tasks.coding import TestRunner
 
-    sandbox = Sandbox(LIMITS, boundary=kernel_boundary_or_skip())
+    sandbox = Sandbox(LIMITS, boundary=require_kernel_sandbox())
 
     def refuse(*args, **kwargs):
         raise BlockingIOError(11, "Resource temporarily unavailable")
@@ -545,7 +541,7 @@ def test_seccomp_refuses_each_denied_call():
     from reflow.envs import seccomp
 
     numbers = seccomp.X86_64_DENIED | seccomp.X86_64_XATTR
-    sandbox = Sandbox(LIMITS, boundary=kernel_boundary_or_skip(), audit_hook=False)
+    sandbox = Sandbox(LIMITS, boundary=require_kernel_sandbox(), audit_hook=False)
     result = sandbox.run(f"NUMBERS = {numbers!r}\n" + SECCOMP_PROBE)
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.strip()}
     for name in seccomp.X86_64_DENIED:
@@ -566,7 +562,7 @@ def test_concurrent_runs_leave_nothing_behind(host):
     has the descriptors it had, the host no process of a run and no run cgroup."""
     from concurrent.futures import ThreadPoolExecutor
 
-    sandbox = Sandbox(LIMITS, boundary=kernel_boundary_or_skip())
+    sandbox = Sandbox(LIMITS, boundary=require_kernel_sandbox())
     before = sorted(os.listdir("/proc/self/fd"))
     programs = [(f"import os\nprint({k} * {k})", f"{k * k}\n") for k in range(48)]
     with ThreadPoolExecutor(8) as pool:
