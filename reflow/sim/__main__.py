@@ -83,10 +83,15 @@ def cmd_validate(args) -> int:
     # two engine placements, two profiles: the decoupled modes' rollout rank generates while the trainer rank
     # trains beside it; sync mode's engines generate while their trainer waits (its own rows fit it)
     decoupled = [metrics[mode] for mode in MODES if mode != "sync"]
-    profile = fit_profile(decoupled, "tiny-cpu (fitted)", warmup_steps=bench["warmup"])
-    colocated = fit_profile([metrics["sync"]], "tiny-cpu colocated (fitted)", warmup_steps=bench["warmup"])
+    try:
+        profile = fit_profile(decoupled, "tiny-cpu (fitted)", warmup_steps=bench["warmup"])
+        colocated = fit_profile([metrics["sync"]], "tiny-cpu colocated (fitted)", warmup_steps=bench["warmup"])
+    except ValueError as error:  # a benchmark from before sync mode logged its engines' window, or a short one
+        print(f"reflow.sim validate: {error}: run `python -m reflow.bench modes` again", file=sys.stderr)
+        return 2
     dataset = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
-    generated = {mode: _generated_lengths(metrics[mode]) for mode in MODES}
+    sent = {mode: _sent(metrics[mode]) for mode in MODES}
+    generated = {mode: [entry["response_len"] for entry in sent[mode]] for mode in MODES}
     detail, throughput_errors, idle_errors = {}, [], []
     for mode in MODES:
         measured = real["modes"][mode]
@@ -109,7 +114,7 @@ def cmd_validate(args) -> int:
         idle_errors.append(idle)
         observed = {
             **{k: measured.get(k, 0.0) for k in ("tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio", "evicted_fraction")},
-            **_measured_detail(metrics[mode], bench["warmup"]),
+            **_measured_detail(metrics[mode], bench["warmup"], sent[mode]),
         }
         simulated = {k: sim.get(k, 0.0) for k in observed}
         errors = {}
@@ -161,25 +166,22 @@ def cmd_validate(args) -> int:
 ABSOLUTE_ERROR_KEYS = frozenset({"trainer_idle_ratio", "rollout_idle_ratio", "evicted_fraction"})
 
 
-def _generated_lengths(metrics_path: str) -> list[int]:
-    """The response length of every sample a run's rollout workers sent (its ledger, beside metrics.jsonl)."""
+def _sent(metrics_path: str) -> list[dict]:
+    """Every sample a run's rollout workers sent, as their ledgers (beside metrics.jsonl) record it; none for a
+    run that keeps no ledger (sync mode)."""
     return [
-        entry["response_len"] for path in sorted(glob.glob(os.path.join(os.path.dirname(metrics_path), "ledger", "rank*.json")))
+        entry for path in sorted(glob.glob(os.path.join(os.path.dirname(metrics_path), "ledger", "rank*.json")))
         for entry in json.load(open(path))["sent"]
     ]
 
 
-def _measured_detail(metrics_path: str, warmup: int) -> dict:
-    """From a benchmark run's metrics.jsonl (steps past warm-up) and ledger: the mean sequences in flight per
-    engine step, the weight-sync seconds per step, and the mean admission-to-finish seconds of a sample
-    (None where the mode does not measure it: sync mode has no ledger)."""
+def _measured_detail(metrics_path: str, warmup: int, sent: list[dict]) -> dict:
+    """From a benchmark run's metrics.jsonl (steps past warm-up) and its ledger's ``sent`` entries: the mean
+    sequences in flight per engine step, the weight-sync seconds per step, and the mean admission-to-finish
+    seconds of a sample (None where the mode does not measure it: sync mode has no ledger)."""
     rows = [json.loads(line) for line in open(metrics_path)]
     steps = [r for r in rows if "loss" in r and r.get("step", 0) > warmup]
     engine_steps = sum(r.get("rollout_engine_steps", 0) for r in steps)
-    sent = [
-        entry for path in glob.glob(os.path.join(os.path.dirname(metrics_path), "ledger", "rank*.json"))
-        for entry in json.load(open(path))["sent"]
-    ]
     return {
         "mean_in_flight": sum(r.get("rollout_step_sequences", 0) for r in steps) / engine_steps if engine_steps else None,
         "sync_s_per_step": sum(r["weight_sync_s"] for r in steps) / max(len(steps), 1),
