@@ -18,7 +18,6 @@ later by a background thread.
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import os
 import threading
@@ -28,9 +27,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 logger = logging.getLogger("reflow")
-
-_counter = itertools.count()
-
 
 @dataclass(frozen=True)
 class CgroupLayout:
@@ -203,7 +199,7 @@ class RunCgroup:
 
     def __init__(self, layout: CgroupLayout, memory_bytes: int, processes: int):
         self.layout = layout
-        name = f"run-{next(_counter)}-{uuid.uuid4().hex[:8]}"
+        name = f"run-{uuid.uuid4().hex[:12]}"
         self.memory_dir = os.path.join(layout.memory_parent, name)
         self.pids_dir = os.path.join(layout.pids_parent, name)
         self.dirs = [self.memory_dir] if layout.version == 2 else [self.memory_dir, self.pids_dir]

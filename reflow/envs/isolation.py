@@ -151,9 +151,7 @@ def choose_interpreter(requested: str, uid: int | None) -> str:
     (a Python under a private home folder it cannot), else the system's ``/usr/bin/python3``."""
     candidates = [requested] if requested else [getattr(sys, "_base_executable", sys.executable), SYSTEM_PYTHON]
     for candidate in candidates:
-        if candidate and os.path.exists(candidate) and reachable(candidate, uid) and reachable(
-            os.path.dirname(os.path.realpath(candidate)), uid
-        ):
+        if candidate and os.path.exists(candidate) and reachable(candidate, uid):  # (every folder above it too)
             return candidate
     tried = ", ".join(c for c in candidates if c)
     raise SandboxUnavailable(
@@ -190,12 +188,13 @@ class Mounts:
 class KernelBoundary:
     """The bwrap command line of one run (module docstring), for one host and interpreter."""
 
-    def __init__(self, bwrap: str, interpreter: InterpreterView, uid: int | None):
+    def __init__(self, bwrap: str, interpreter: InterpreterView, uid: int | None, seccomp_filter: bytes):
         self.bwrap = bwrap
         self.interpreter = interpreter
         self.uid = uid
         """Host uid bwrap is started as (None: this process's)."""
-        self.filter = seccomp.program()
+        self.filter = seccomp_filter
+        """``seccomp.program()``: what bwrap loads before the launcher starts."""
         with open(LAUNCHER_SOURCE, "rb") as f:
             self.launcher = f.read()
 
@@ -207,13 +206,13 @@ class KernelBoundary:
         if bwrap is None:
             raise SandboxUnavailable(f"bubblewrap (bwrap) not found on PATH: {INSTALL_HINT}")
         try:
-            seccomp.program()
+            seccomp_filter = seccomp.program()
         except seccomp.SeccompUnsupported as error:
             raise SandboxUnavailable(str(error)) from None
         uid = host_user()
         if not reachable(bwrap, uid):
             raise SandboxUnavailable(f"{bwrap} is not executable by uid {uid}")
-        boundary = cls(bwrap, interpreter_view(choose_interpreter(python, uid)), uid)
+        boundary = cls(bwrap, interpreter_view(choose_interpreter(python, uid)), uid, seccomp_filter)
         boundary.probe()
         return boundary
 
@@ -222,7 +221,7 @@ class KernelBoundary:
     ) -> list[str]:
         """The command line: bwrap's options, then the interpreter running the launcher. bwrap reports its
         child's pid on ``fds.info`` and waits on ``fds.block`` before the program starts (the parent's
-        handshake: limits on the sandbox's init, the cgroup, a process descriptor to end it by)."""
+        handshake: a process descriptor to end the run by, and the cgroup)."""
         args = [
             self.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1",
