@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"p99 {row['p99_s'] * 1000:6.1f} ms  {row['statuses']}")
     result = {
         "benchmark": "sandbox",
-        "command": "python -m reflow.bench sandbox " + " ".join(argv[1:]),
+        "command": " ".join(["python -m reflow.bench sandbox", *argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "limits": dataclasses.asdict(limits),
         "programs": {name: code for name, (code, _) in PROGRAMS.items()},
