@@ -28,6 +28,10 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    room) for ``idle_windows`` windows in a row, (a) and (c) are waived and the choice is taken if it moves
    ranks toward the idle side's opposite and is predicted faster than the current placement at all (a
    choice won by step 4's tie-break, no faster, would move ranks back and forth); the cooldown still holds.
+6. Hysteresis. A move back to the placement the last change left needs twice the margin, and no idle
+   waiver: that placement was left on measured rates, and the side that now idles is what the trade was
+   expected to cost, not new evidence (the live tiny_adaptive run went 2 -> 1 on an idle trainer and
+   1 -> 2 on idle rollout ranks six steps later).
 """
 
 from __future__ import annotations
@@ -199,6 +203,7 @@ class PlacementPlanner:
             raise ValueError(f"the planner's ema weight must be in (0, 1], got {settings.ema}")
         self.settings = settings
         self.last_change_step = 0  # the run's start counts as a change: a first window of cooldown_steps
+        self.left: int | None = None  # the replica count the last change left (step 6)
         self.transition_cost_s = settings.transition_cost_s
         self.smoothed: Rates | None = None
         self.idle_streak = {"trainer": 0, "rollout": 0}
@@ -264,6 +269,7 @@ class PlacementPlanner:
         decision = self._decide(step, replicas, WindowMeasurement.from_rows(window, self.settings.warmup_steps))
         if decision.target is not None:
             self.last_change_step = step
+            self.left = replicas
             self.idle_streak = {"trainer": 0, "rollout": 0}
         self.decisions.append(decision)
         return decision
@@ -301,14 +307,19 @@ class PlacementPlanner:
             f"length of {self.predicted_length(rates):.0f} tokens, saves {saving:.1f}s over {settings.horizon_steps} steps "
             f"against a {self.transition_cost_s:.1f}s transition"
         )
-        if idle_side is not None and chosen.throughput > current.throughput:
+        reverses = chosen.replicas == self.left
+        if idle_side is not None and chosen.throughput > current.throughput and not reverses:
             return PlacementDecision(
                 step, replicas, chosen.replicas,
                 f"{summary}; the {idle_side} side idled above {settings.idle_threshold} for {self.idle_streak[idle_side]} windows",
                 **detail,
             )
-        if chosen.throughput < (1 + settings.margin) * current.throughput:
-            return PlacementDecision(step, replicas, None, f"best ({chosen.replicas} replicas) within the margin", **detail)
+        margin = 2 * settings.margin if reverses else settings.margin
+        if chosen.throughput < (1 + margin) * current.throughput:
+            back = ", twice the margin back to the placement the last change left" if reverses else ""
+            return PlacementDecision(step, replicas, None, f"best ({chosen.replicas} replicas) within the margin{back}", **detail)
         if saving <= self.transition_cost_s:
             return PlacementDecision(step, replicas, None, "predicted saving below the transition cost", **detail)
+        if reverses:
+            summary += f"; back to the placement left at step {self.last_change_step}, beyond twice the margin"
         return PlacementDecision(step, replicas, chosen.replicas, summary, **detail)

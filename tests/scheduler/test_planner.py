@@ -68,15 +68,17 @@ def test_margin_cooldown_and_transition_cost_hold_a_change_back():
 def test_one_window_moves_nothing_a_sustained_change_moves_within_three():
     """After a move to 2 replicas (training twice the samples: c stays 819.2 per replica), production falls to a
     quarter (busy 40 s for the same tokens: p = 100). The
-    EMA (weight 0.5) gives p = 250, 175, 137.5 over the next windows; 1 replica wins once p < 160:
-    n = 2 has X = min(12.8, 2 p / 100 / 0.5), n = 1 has X = min(6.4, 3 p / 100 / 0.5); at p = 137.5 the move
-    saves 8 steps x (16 / 5.5 - 16 / 6.4) = 3.3 s > 2 s."""
+    EMA (weight 0.5) gives p = 250, 175, 137.5, 118.75 over the next windows. n = 2 has
+    X = min(12.8, 2 p / 100 / 0.5), n = 1 has X = min(6.4, 3 p / 100 / 0.5): 1 replica is the placement the
+    last change left, so it needs twice the margin, 6.4 >= 1.2 x 0.04 p, p <= 133.3: the fourth window. The
+    move saves 8 steps x (16 / 4.75 - 16 / 6.4) = 6.9 s > 2 s."""
     plan = planner(horizon_steps=8)
     assert plan.decide(4, 1, rows()).target == 2
     slow = rows(busy=40.0, trained=64)
-    decisions = [plan.decide(step, 2, slow) for step in (8, 10, 12)]
-    assert [d.target for d in decisions] == [None, None, 1]
-    assert decisions[-1].rates.production == pytest.approx(137.5)
+    decisions = [plan.decide(step, 2, slow) for step in (8, 10, 12, 14)]
+    assert [d.target for d in decisions] == [None, None, None, 1]
+    assert "twice the margin" in decisions[2].reason  # 6.4 against 5.5: beyond the margin, not twice it
+    assert decisions[-1].rates.production == pytest.approx(118.75)
 
 
 def test_an_idle_side_re_decides_regardless_of_the_margin():
@@ -140,3 +142,25 @@ def test_both_controllers_implement_the_interface():
     assert isinstance(schedule, PlacementController)
     assert schedule.decide(4, 1, []).target == 2
     assert schedule.decide(4, 2, []).target is None and schedule.decide(5, 1, []).target is None
+
+
+def test_a_move_back_needs_twice_the_margin_and_no_idle_waiver():
+    """After 2 -> 1 replicas, the rollout ranks idle (the expected cost of the trade) and 2 replicas is
+    predicted 15% faster: beyond the 10% margin, not beyond twice it, so the run stays, idle or not; at 25%
+    it moves back. A move to a third placement needs only the margin."""
+    plan = planner(margin=0.1, idle_windows=1, cooldown_steps=0, transition_cost_s=0.0)
+    plan.candidates = lambda rates: [Candidate(1, 3, 30.0, 10.0, 10.0, 3.0, 1.6), Candidate(2, 2, 20.0, 5.0, 5.0, 4.0, 3.2)]
+    assert plan.decide(4, 2, rows()).target == 1 and plan.left == 2
+    here = Candidate(1, 3, production=30.0, consumption=5.0, throughput=5.0, coverage=6.0, step_s=3.2)
+    plan.candidates = lambda rates: [here, Candidate(2, 2, 20.0, 5.75, 5.75, 3.5, 16 / 5.75)]
+    held = plan.decide(6, 1, rows(idle=10.0, first_step=5))  # rollout idle 0.5 > 0.3 for a window
+    assert plan.idle_streak["rollout"] == 1 and held.target is None and "twice the margin" in held.reason
+    elsewhere = Candidate(3, 1, 10.0, 5.75, 5.75, 1.7, 16 / 5.75)  # the same 15%, to a placement not just left
+    plan.candidates = lambda rates: [here, elsewhere]
+    assert plan.decide(8, 1, rows(first_step=7)).target == 3 and plan.left == 1
+    there = Candidate(3, 1, 10.0, 5.0, 5.0, 2.0, 3.2)
+    plan.candidates = lambda rates: [Candidate(1, 3, 30.0, 5.75, 5.75, 5.2, 16 / 5.75), there]
+    assert plan.decide(10, 3, rows(first_step=9)).target is None  # 15% back to 1: held
+    plan.candidates = lambda rates: [Candidate(1, 3, 30.0, 6.25, 6.25, 4.8, 16 / 6.25), there]
+    back = plan.decide(12, 3, rows(first_step=11))
+    assert back.target == 1 and "twice the margin" in back.reason
