@@ -91,15 +91,15 @@ def cmd_validate(args) -> int:
         return 2
     dataset = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
     sent = {mode: _sent(metrics[mode]) for mode in MODES}
-    generated = {mode: [entry["response_len"] for entry in sent[mode]] for mode in MODES}
+    generated = {mode: _group_lengths(sent[mode]) for mode in MODES}
     detail, throughput_errors, idle_errors = {}, [], []
     for mode in MODES:
         measured = real["modes"][mode]
-        # the lengths the policy wrote in this run (it is not the dataset's answers: the tiny model stops short
-        # of the longest chains), from its ledger; sync mode keeps none, so it draws from the decoupled runs'
-        # (the same task, starting policy and step count)
-        lengths = generated[mode] or [n for other in MODES if other != "sync" for n in generated[other]]
-        workload = dataclasses.replace(dataset, empirical=tuple(lengths)) if lengths else dataset
+        # the groups of lengths the policy wrote in this run (it is not the dataset's answers: the tiny model
+        # stops short of the longest chains), from its ledger; sync mode keeps none, so it draws from the
+        # decoupled runs' (the same task, starting policy and step count)
+        groups = generated[mode] or [group for other in MODES if other != "sync" for group in generated[other]]
+        workload = dataclasses.replace(dataset, empirical_groups=tuple(groups)) if groups else dataset
         sim = simulate(SimConfig(
             mode=mode, gpus=world, prompts_per_step=cfg.training.prompts_per_step, group_size=cfg.training.group_size,
             steps=int(round(measured["steps"])), replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
@@ -134,7 +134,7 @@ def cmd_validate(args) -> int:
         "sync_profile": colocated.as_dict(),
         "workload": {
             "train_file": cfg.task.train_file, "prompt_tokens": dataset.prompt_tokens,
-            "response_tokens": "the lengths each run generated (its ledger; sync mode: the decoupled runs')",
+            "response_tokens": "the groups each run generated, drawn whole (its ledger; sync mode: the decoupled runs')",
         },
         "throughput_error": max(throughput_errors),
         "idle_error": max(idle_errors),
@@ -173,6 +173,15 @@ def _sent(metrics_path: str) -> list[dict]:
         entry for path in sorted(glob.glob(os.path.join(os.path.dirname(metrics_path), "ledger", "rank*.json")))
         for entry in json.load(open(path))["sent"]
     ]
+
+
+def _group_lengths(sent: list[dict]) -> list[tuple[int, ...]]:
+    """The response lengths of every group in ``sent``, a tuple per group (a sample's uid is its group's id,
+    "/", its index in the group), in the order the groups first appear."""
+    groups: dict[str, list[int]] = {}
+    for entry in sent:
+        groups.setdefault(entry["uid"].rsplit("/", 1)[0], []).append(entry["response_len"])
+    return [tuple(lengths) for lengths in groups.values()]
 
 
 def _measured_detail(metrics_path: str, warmup: int, sent: list[dict]) -> dict:

@@ -240,8 +240,9 @@ class SimEngine:
         profile = self.profile
         seconds = steps * profile.step_seconds(n, context) + profile.context_token_s * n * steps * (steps - 1) / 2
         seconds += prefill * profile.prefill_token_s
-        if self.clock + seconds > until and steps > 1:
-            fit = max(1, int(steps * (until - self.clock) / seconds))
+        tick = profile.worker_tick_s  # the worker's own seconds per decode step: on the clock, not busy
+        if self.clock + seconds + steps * tick > until and steps > 1:
+            fit = max(1, int(steps * (until - self.clock) / (seconds + steps * tick)))
             seconds *= fit / steps
             steps = fit
         # one pass over the running sequences: their tokens and versions (``Request.append_model_tokens``, inlined:
@@ -275,7 +276,7 @@ class SimEngine:
         self.prefilled_tokens += prefill
         usage = min(1.0, blocks / max(self.budget_blocks, 1))  # what the step held, before the finished leave
         self.kv_usage_sum += usage * steps
-        self.clock += seconds
+        self.clock += seconds + steps * tick
         self.busy_s += seconds
         self.decode_steps = steps
         self.engine_steps += steps

@@ -12,6 +12,7 @@ train_collective_s when the trainer has more than one rank.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import asdict, dataclass
 
 from reflow.distributed.placement import parse_placement_name
@@ -37,6 +38,26 @@ class CostProfile:
     """Added to a trainer step when the trainer has more than one rank (FSDP gathers and reductions)."""
     weight_sync_s: float
     transition_s: float
+    step_fixed_s: float = 0.0
+    """The trainer's seconds a step outside waiting, the train step and the weight sync (the batch packed, the
+    readiness exchange, the step's metrics reduced over the ranks)."""
+    worker_tick_s: float = 0.0
+    """A rollout worker's seconds per decode step outside the engine step, neither busy nor idle (its
+    commands polled, admission, its report)."""
+    train_time_ratios: tuple[float, ...] = ()
+    """Measured train-step seconds over the fit's prediction, one per step: a simulated step's train time is
+    the prediction times one of them, drawn at random (none: exactly the prediction). On a loaded machine a
+    step's time varies by a quarter or more, and that noise decides whether generation keeps up with a
+    short step: a trainer of constant speed locks reflow into alternating full and half-replayed batches
+    the live system leaves."""
+
+    def train_seconds(self, tokens_per_rank: int, ranks: int, rng: random.Random) -> float:
+        """One trainer step's train seconds: its slowest rank's tokens, the collectives when there are several
+        ranks, times a measured ratio when the profile has them."""
+        seconds = self.train_overhead_s + tokens_per_rank * self.train_token_s
+        if ranks > 1:
+            seconds += self.train_collective_s
+        return seconds * (rng.choice(self.train_time_ratios) if self.train_time_ratios else 1.0)
 
     def step_seconds(self, sequences: int, context_tokens: int, prefill_tokens: int = 0) -> float:
         return (
@@ -127,14 +148,19 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
                 rollout_step_sequences and rollout_prefilled_tokens for each report window, a sync run's for
                 each step's generation (its engines, summed over the ranks)
       trainer   train_time_s of each step against 1, its tokens per trainer rank and whether the trainer had
-                more than one rank (the collectives)
+                more than one rank (the collectives); each step's measured time over that prediction (the
+                noise a simulated step draws from); the median of the step's seconds outside its wait, its
+                train step and its sync (the fixed costs)
+      worker    a decoupled run's rollout seconds neither busy nor idle, per decode step
       sync      the mean weight_sync_s of the steps that synced
 
     Fields the runs cannot tell (KV budget, block size, the context cost, the prefill cost of runs that did not
     report it, a transition when none happened) keep ``base``'s values."""
-    rows = []
-    for path in metrics_paths:
-        rows += [row for row in map(json.loads, open(path)) if row.get("step", warmup_steps + 1) > warmup_steps]
+    runs = [
+        [row for row in map(json.loads, open(path)) if row.get("step", warmup_steps + 1) > warmup_steps]
+        for path in metrics_paths
+    ]
+    rows = [row for run in runs for row in run]
     windows = [r for r in rows if r.get("rollout_engine_steps")]
     steps = [r for r in rows if "train_time_s" in r and "placement" in r]
     if len(windows) < 3 or len(steps) < 3:
@@ -157,7 +183,30 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     coefficients = _least_squares(columns, [r["train_time_s"] for r in steps])
     train_overhead, per_token = coefficients[:2]
     collective = coefficients[2] if len(coefficients) > 2 else base.train_collective_s
+    predicted = [sum(c * x for c, x in zip(coefficients, column)) for column in columns]
+    ratios = tuple(round(r["train_time_s"] / p, 3) for r, p in zip(steps, predicted) if p > 0)
     syncs = [r["weight_sync_s"] for r in steps if r["weight_sync_s"] > 0]
+    # the trainer's step outside its wait (a decoupled trainer's, or sync mode's generation), its train step and
+    # its sync: the median, as a step that evaluates or checkpoints is an outlier
+    outside = sorted(
+        r["step_time_s"] - r["train_time_s"] - r["weight_sync_s"] - r.get("trainer_wait_s", r.get("gen_time_s", 0.0))
+        for r in steps
+    )
+    step_fixed = max(0.0, outside[len(outside) // 2])
+    # a rollout worker's wall time neither busy nor idle, per decode step, over each decoupled run (its windows
+    # close about once a second, not with the steps): its rollout ranks live the steps' seconds less the weight
+    # syncs, which are neither
+    unaccounted, ticks = 0.0, 0
+    for run in runs:
+        run_steps = [r for r in run if "train_time_s" in r and "placement" in r]
+        if not any("rollout_idle_s" in r for r in run) or not run_steps:
+            continue
+        unaccounted += sum(
+            (r["step_time_s"] - r["weight_sync_s"]) * parse_placement_name(r["placement"]).num_rollout_ranks
+            for r in run_steps
+        ) - sum(r.get("rollout_busy_s", 0.0) + r.get("rollout_idle_s", 0.0) for r in run)
+        ticks += sum(r.get("rollout_engine_steps", 0) for r in run)
+    worker_tick = max(0.0, unaccounted / ticks) if ticks else base.worker_tick_s
     changes = [r["transition_s"] for r in rows if "transition_s" in r]
     return CostProfile(
         name=name,
@@ -174,6 +223,9 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
         train_collective_s=collective,
         weight_sync_s=sum(syncs) / len(syncs) if syncs else base.weight_sync_s,
         transition_s=sum(changes) / len(changes) if changes else base.transition_s,
+        step_fixed_s=step_fixed,
+        worker_tick_s=worker_tick,
+        train_time_ratios=ratios,
     )
 
 

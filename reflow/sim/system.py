@@ -190,8 +190,7 @@ class SimGroups:
         workload, group = sim.workload, f"g{draw}"
         prompt = [0] * workload.prompt_tokens  # shared by the group, as its prompt blocks are
         requests = []
-        for k in range(sim.cfg.group_size):
-            target = workload.response_length(sim.rng, sim.steps_done)
+        for k, target in enumerate(workload.group_lengths(sim.rng, sim.steps_done, sim.cfg.group_size)):
             turns = workload.tool_turns
             points = [target * (t + 1) // (turns + 1) for t in range(turns)] if turns else []
             requests.append(Request(
@@ -283,6 +282,7 @@ class DecoupledSim:
         self.job = cfg.job_config(profile, workload)
         self.settings = resolve_settings(self.job)
         self.rng = random.Random(cfg.seed)
+        self.train_rng = random.Random(cfg.seed + 1)  # the train steps' measured noise, apart from the workload's draws
         self.version = 0
         self.steps_done = 0
         self.clock = 0.0
@@ -579,9 +579,7 @@ class DecoupledSim:
             for shard, plan in zip(self.shards, plans):
                 for sample in plan.fresh + plan.replayed:
                     staleness[shard.buffer.staleness(sample, self.version)] += 1
-            train_end = ready + profile.train_overhead_s + max(rank_tokens) * profile.train_token_s
-            if len(self.shards) > 1:
-                train_end += profile.train_collective_s
+            train_end = ready + profile.step_fixed_s + profile.train_seconds(max(rank_tokens), len(self.shards), self.train_rng)
             self._run_workers_to(train_end)
             self.clock = train_end
             # 3. retire
@@ -630,7 +628,7 @@ class DecoupledSim:
 
 def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> dict:
     """Colocated on-policy GRPO: every GPU generates its share, then every GPU trains, then the sync."""
-    rng = random.Random(cfg.seed)
+    rng, train_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)
     engines = [SimEngine(profile, i, cfg.macro_steps) for i in range(cfg.gpus)]
     clock, records = 0.0, []
     for step in range(1, cfg.steps + 1):
@@ -642,8 +640,7 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
             rank = prompt % cfg.gpus
             group = f"s{step}-{prompt}"
             prompt_ids = [0] * workload.prompt_tokens
-            for k in range(cfg.group_size):
-                target = workload.response_length(rng, step - 1)
+            for k, target in enumerate(workload.group_lengths(rng, step - 1, cfg.group_size)):
                 engines[rank].add(Request(f"{group}/{k}", prompt_ids, workload.max_tokens, k,
                                           meta={"group": group, "sim": SimTrajectory(target)}))
         for rank, engine in enumerate(engines):
@@ -652,8 +649,8 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
                 for req in engine.step():
                     tokens[rank] += len(req.prompt_ids) + len(req.output_ids)
         generated = max(engine.clock for engine in engines)
-        train = profile.train_overhead_s + max(tokens) * profile.train_token_s + (profile.train_collective_s if cfg.gpus > 1 else 0.0)
-        clock = generated + train + profile.weight_sync_s
+        train = profile.train_seconds(max(tokens), cfg.gpus, train_rng)
+        clock = generated + train + profile.step_fixed_s + profile.weight_sync_s
         for engine in engines:  # each waits for the slowest, then for training and the sync
             engine.idle_s += clock - engine.clock
             engine.clock = clock

@@ -88,12 +88,18 @@ def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
         steps, sequences_stepped, tokens = rng.randint(50, 150), rng.randint(1000, 6000), rng.randint(2000, 9000)
         prefilled = rng.randint(500, 5000)
         ranks = 1 + step % 2  # T1x1+R3 and T2x1+R2 in turn: the collectives cost 0.02 s with 2 ranks
+        busy = 0.004 * steps + 0.0002 * sequences_stepped + 0.00005 * prefilled
+        train = 0.05 + 0.0003 * tokens / ranks + (0.02 if ranks > 1 else 0.0)
+        sync = 0.1 if step % 2 == 0 else 0.0
+        wait = 2.0 + rng.random()
+        step_time = wait + train + sync + 0.01  # 10 ms a step outside the wait, the train step and the sync
+        # the rollout ranks' seconds less the sync: busy, idle, and 1 ms a decode step that is neither
+        idle = (step_time - sync) * (4 - ranks) - busy - 0.001 * steps
         rows.append({
             "step": step, "placement": f"T{ranks}x1+R{4 - ranks}", "rollout_engine_steps": steps,
             "rollout_step_sequences": sequences_stepped, "rollout_prefilled_tokens": prefilled,
-            "rollout_busy_s": 0.004 * steps + 0.0002 * sequences_stepped + 0.00005 * prefilled,
-            "trainer_tokens": tokens, "train_time_s": 0.05 + 0.0003 * tokens / ranks + (0.02 if ranks > 1 else 0.0),
-            "weight_sync_s": 0.1 if step % 2 == 0 else 0.0,
+            "rollout_busy_s": busy, "rollout_idle_s": idle, "trainer_tokens": tokens, "train_time_s": train,
+            "weight_sync_s": sync, "trainer_wait_s": wait, "step_time_s": step_time,
         })
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
@@ -103,6 +109,31 @@ def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
     assert profile.train_overhead_s == pytest.approx(0.05) and profile.train_token_s == pytest.approx(0.0003)
     assert profile.train_collective_s == pytest.approx(0.02)
     assert profile.weight_sync_s == pytest.approx(0.1)
+    assert profile.step_fixed_s == pytest.approx(0.01) and profile.worker_tick_s == pytest.approx(0.001)
+    assert profile.train_time_ratios == pytest.approx([1.0] * 20)  # every step exactly as predicted
+
+
+def test_a_profile_with_measured_train_noise_draws_each_step_from_it():
+    noisy = CostProfile(**{**PROFILE.as_dict(), "train_time_ratios": (0.5, 2.0)})
+    rng = random.Random(0)
+    draws = {round(noisy.train_seconds(1000, 1, rng), 9) for _ in range(50)}
+    assert draws == {round(0.5 * (0.1 + 1000 * 0.0005), 9), round(2.0 * (0.1 + 1000 * 0.0005), 9)}
+    assert PROFILE.train_seconds(1000, 2, rng) == pytest.approx(0.1 + 0.5 + 0.02)  # no ratios: the prediction
+
+
+def test_an_empirical_workload_draws_whole_groups():
+    """A group's answers to one prompt are alike: the simulator draws a measured group whole (its longest
+    member is what the group waits for), or one prompt's length for every member."""
+    measured = Workload(name="m", prompt_tokens=10, median_tokens=5, sigma=0.0, max_tokens=100,
+                        empirical_groups=((3, 4, 3, 5), (40, 38, 41, 39)))
+    rng = random.Random(0)
+    drawn = {tuple(measured.group_lengths(rng, 0, 4)) for _ in range(40)}
+    assert drawn == {(3, 4, 3, 5), (40, 38, 41, 39)}
+    per_prompt = Workload(name="d", prompt_tokens=10, median_tokens=5, sigma=0.0, max_tokens=100, empirical_groups=((7,), (9,)))
+    assert all(len(set(per_prompt.group_lengths(rng, 0, 8))) == 1 for _ in range(20))
+    growing = Workload(name="g", prompt_tokens=10, median_tokens=5, sigma=0.0, max_tokens=100, empirical_groups=((10,),),
+                       length_schedule=((5, 3.0),))
+    assert growing.group_lengths(rng, 4, 2) == [10, 10] and growing.group_lengths(rng, 5, 2) == [30, 30]
 
 
 def test_shipped_profiles_are_complete():
