@@ -150,6 +150,10 @@ class WorkerStats:
     """Sequences summed over the engine steps (mean in flight = step_sequences / engine_steps)."""
     prefilled_tokens: int = 0
     """Prompt and prefix tokens the engine prefilled: new requests, and held ones again after a sync."""
+    sync_s: float = 0.0
+    """Weight syncs from the worker's side: the broadcast, the engine's reload and the held requests added back
+    (its first-token steps are engine time, its evaluation busy time)."""
+    syncs: int = 0
     preemptions: int = 0
     admitted_groups: int = 0
     gate_refusals: int = 0
@@ -162,8 +166,8 @@ class WorkerStats:
     """What the global dispatcher weighs (scheduler.kv_admission), else None."""
 
     SUMMED = (
-        "busy_s", "idle_s", "tool_wait_s", "engine_steps", "step_sequences", "prefilled_tokens", "preemptions",
-        "admitted_groups", "gate_refusals", "kv_usage_sum",
+        "busy_s", "idle_s", "tool_wait_s", "engine_steps", "step_sequences", "prefilled_tokens", "sync_s", "syncs",
+        "preemptions", "admitted_groups", "gate_refusals", "kv_usage_sum",
     )
 
     def __add__(self, later: "WorkerStats") -> "WorkerStats":

@@ -289,8 +289,8 @@ class DecoupledMode(ModeBase):
         self.version += 1
         self.steps_done = step
         # 4. weight sync at sync points; then tell the rollout workers (after SyncWeights, in order)
-        with timer("sync"):
-            if self.version % self.settings.interval == 0:
+        if self.version % self.settings.interval == 0:  # (a step that does not sync reports 0 seconds of it)
+            with timer("sync"):
                 self._sync_weights()
         self._exchange()
         # 5. metrics over the trainer ranks

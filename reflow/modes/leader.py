@@ -57,6 +57,8 @@ class RolloutWindow:
             **{key: getattr(total, field) for key, field in ENGINE_WINDOW_KEYS.items()},
             "rollout_idle_s": total.idle_s,
             "rollout_tool_wait_s": total.tool_wait_s,
+            "rollout_sync_s": total.sync_s,
+            "rollout_syncs": total.syncs,
             "preemptions": total.preemptions,
             "admitted_groups": total.admitted_groups,
             "gate_refusals": total.gate_refusals,

@@ -253,12 +253,17 @@ class RolloutWorker:
         held = self.turns.hold_all()  # trajectories waiting on a tool stay there, and resume under version v
         self._count_busy(self.clock() - t0)
         self._tell_followers("sync", version)
+        t1 = self.clock()
         self.weight_sync.sync(None, self.engine, version)
+        synced = self.clock() - t1
         self._evaluate(version)
         # partial rollouts continue from their prefix, turns and all; each token keeps its version. The reload
         # reset the prefix cache, so the engine prefills every held prompt and prefix again
         self.stats.prefilled_tokens += sum(len(req.prompt_ids) + len(req.output_ids) for req in held)
+        t2 = self.clock()
         self.turns.resume(held)
+        self.stats.sync_s += synced + self.clock() - t2
+        self.stats.syncs += 1
         self._report()
 
     def _evaluate(self, version: int) -> None:

@@ -17,6 +17,10 @@ exactly the inefficiency the ``reflow`` mode removes.
 
 from __future__ import annotations
 
+import time
+
+import torch.distributed as dist
+
 from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.rollout.groups import make_group_requests
 from reflow.rollout.scoring import assign_advantages, score
@@ -52,11 +56,15 @@ class SyncMode(ModeBase):
         # 2. rollout with the current weights; the trainer's state waits in host memory meanwhile and the engine
         #    frees its memory for training afterwards (both on CUDA only)
         engine_stats = WorkerStats()
+        gen_start = time.perf_counter()
         with timer("gen"):
             parts.trainer.park("optimizer", "parameters")
             finished = parts.turns.generate(requests, engine_stats)
             parts.engine.sleep()
-        engine_stats.busy_s = timer.get("gen") - parts.turns.take_tool_wait()
+            engine_stats.busy_s = time.perf_counter() - gen_start - parts.turns.take_tool_wait()
+            # the step's generation ends with its slowest rank's: a faster rank's wait for it is generation time,
+            # not a slow first collective of the train step (rows and the simulator's fit read them apart)
+            dist.barrier()
         # 3. score
         samples = score(finished, parts.task, parts.tokenizer)
         assign_advantages(samples, training.normalize_adv_std, training.advantage_eps)
