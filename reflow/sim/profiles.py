@@ -44,6 +44,9 @@ class CostProfile:
     worker_tick_s: float = 0.0
     """A rollout worker's seconds per decode step outside the engine step, neither busy nor idle (its
     commands polled, admission, its report)."""
+    worker_sync_s: float = 0.0
+    """A rollout worker's seconds per weight sync beyond the broadcast the trainer times (the engine's reload,
+    the held requests added back): its held requests wait them out, neither busy nor idle."""
     train_time_ratios: tuple[float, ...] = ()
     """Measured train-step seconds over the fit's prediction, one per step: a simulated step's train time is
     the prediction times one of them, drawn at random (none: exactly the prediction). On a loaded machine a
@@ -151,7 +154,8 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
                 more than one rank (the collectives); each step's measured time over that prediction (the
                 noise a simulated step draws from); the median of the step's seconds outside its wait, its
                 train step and its sync (the fixed costs)
-      worker    a decoupled run's rollout seconds neither busy nor idle, per decode step
+      worker    a decoupled run's rollout seconds per weight sync beyond the trainer's, and its seconds
+                neither busy, idle nor syncing, per decode step
       sync      the mean weight_sync_s of the steps that synced
 
     Fields the runs cannot tell (KV budget, block size, the context cost, the prefill cost of runs that did not
@@ -193,18 +197,30 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
         for r in steps
     )
     step_fixed = max(0.0, outside[len(outside) // 2])
-    # a rollout worker's wall time neither busy nor idle, per decode step, over each decoupled run (its windows
-    # close about once a second, not with the steps): its rollout ranks live the steps' seconds less the weight
-    # syncs, which are neither
+    weight_sync = sum(syncs) / len(syncs) if syncs else base.weight_sync_s
+    # a rollout worker's seconds per sync beyond the broadcast, from the runs whose workers time their syncs
+    worker_syncs = sum(r.get("rollout_syncs", 0) for r in rows)
+    worker_sync = (
+        max(0.0, sum(r.get("rollout_sync_s", 0.0) for r in rows) / worker_syncs - weight_sync) if worker_syncs
+        else base.worker_sync_s
+    )
+    # a rollout worker's wall time neither busy, idle nor syncing, per decode step, over each decoupled run (its
+    # windows close about once a second, not with the steps): its rollout ranks live the steps' seconds (a
+    # run whose workers do not time their syncs: less the trainer's sync seconds)
     unaccounted, ticks = 0.0, 0
     for run in runs:
         run_steps = [r for r in run if "train_time_s" in r and "placement" in r]
         if not any("rollout_idle_s" in r for r in run) or not run_steps:
             continue
-        unaccounted += sum(
-            (r["step_time_s"] - r["weight_sync_s"]) * parse_placement_name(r["placement"]).num_rollout_ranks
-            for r in run_steps
-        ) - sum(r.get("rollout_busy_s", 0.0) + r.get("rollout_idle_s", 0.0) for r in run)
+        rollout_ranks = [parse_placement_name(r["placement"]).num_rollout_ranks for r in run_steps]
+        timed = any("rollout_sync_s" in r for r in run)
+        syncing = (
+            sum(r.get("rollout_sync_s", 0.0) for r in run) if timed
+            else sum(r["weight_sync_s"] * ranks for r, ranks in zip(run_steps, rollout_ranks))
+        )
+        unaccounted += sum(r["step_time_s"] * ranks for r, ranks in zip(run_steps, rollout_ranks)) - syncing - sum(
+            r.get("rollout_busy_s", 0.0) + r.get("rollout_idle_s", 0.0) for r in run
+        )
         ticks += sum(r.get("rollout_engine_steps", 0) for r in run)
     worker_tick = max(0.0, unaccounted / ticks) if ticks else base.worker_tick_s
     changes = [r["transition_s"] for r in rows if "transition_s" in r]
@@ -221,10 +237,11 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
         train_overhead_s=train_overhead,
         train_token_s=per_token,
         train_collective_s=collective,
-        weight_sync_s=sum(syncs) / len(syncs) if syncs else base.weight_sync_s,
+        weight_sync_s=weight_sync,
         transition_s=sum(changes) / len(changes) if changes else base.transition_s,
         step_fixed_s=step_fixed,
         worker_tick_s=worker_tick,
+        worker_sync_s=worker_sync,
         train_time_ratios=ratios,
     )
 

@@ -542,8 +542,9 @@ class DecoupledSim:
             if self._command_now(index, SyncWeights(self.version)) is not None:
                 raise RuntimeError(f"simulated worker {index} left at a weight sync")
         end = max([self.clock] + self.weight_sync.joined) + self.profile.weight_sync_s
-        for engine in self.engines:
+        for engine in self.engines:  # each waits for the broadcast, then reloads and adds its held requests back
             engine.wait_until(end)
+            engine.clock += self.profile.worker_sync_s
         self.clock = end
         return end - start
 

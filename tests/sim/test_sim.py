@@ -93,9 +93,13 @@ def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
         sync = 0.1 if step % 2 == 0 else 0.0
         wait = 2.0 + rng.random()
         step_time = wait + train + sync + 0.01  # 10 ms a step outside the wait, the train step and the sync
-        # the rollout ranks' seconds less the sync: busy, idle, and 1 ms a decode step that is neither
-        idle = (step_time - sync) * (4 - ranks) - busy - 0.001 * steps
+        # each rollout rank syncs 30 ms longer than the trainer's broadcast (its reload); the rest of its
+        # seconds: busy, idle, and 1 ms a decode step that is neither
+        worker_syncs = (4 - ranks) if sync else 0
+        worker_sync = (sync + 0.03) * worker_syncs
+        idle = step_time * (4 - ranks) - worker_sync - busy - 0.001 * steps
         rows.append({
+            "rollout_sync_s": worker_sync, "rollout_syncs": worker_syncs,
             "step": step, "placement": f"T{ranks}x1+R{4 - ranks}", "rollout_engine_steps": steps,
             "rollout_step_sequences": sequences_stepped, "rollout_prefilled_tokens": prefilled,
             "rollout_busy_s": busy, "rollout_idle_s": idle, "trainer_tokens": tokens, "train_time_s": train,
@@ -110,6 +114,7 @@ def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
     assert profile.train_collective_s == pytest.approx(0.02)
     assert profile.weight_sync_s == pytest.approx(0.1)
     assert profile.step_fixed_s == pytest.approx(0.01) and profile.worker_tick_s == pytest.approx(0.001)
+    assert profile.worker_sync_s == pytest.approx(0.03)
     assert profile.train_time_ratios == pytest.approx([1.0] * 20)  # every step exactly as predicted
 
 
