@@ -24,8 +24,7 @@ from typing import Iterable
 from reflow.rollout.kv_signals import EngineSignals
 from reflow.rollout.request import Request
 from reflow.sim.profiles import CostProfile
-
-_ZEROS = [0] * 4096
+from reflow.sim.runs import Runs
 
 
 @dataclass
@@ -130,6 +129,8 @@ class SimEngine:
         """Queue a request; one with output already (a held partial rollout) prefills its prompt and prefix
         again, and one whose tool has not answered yet waits for it first."""
         seq = trajectory(req)
+        if not isinstance(req.output_ids, Runs):  # (simulated tokens are kept as runs: reflow.sim.runs)
+            req.output_ids, req.versions = Runs(req.output_ids), Runs(req.versions)
         seq.request, seq.prompt_tokens, seq.generated = req, len(req.prompt_ids), len(req.output_ids)
         seq.group = req.meta["group"]
         seq.prompt_full_blocks, seq.prompt_rest = divmod(seq.prompt_tokens, self.block_size)
@@ -248,15 +249,15 @@ class SimEngine:
         # one pass over the running sequences: their tokens and versions (``Request.append_model_tokens``, inlined:
         # the simulator's hottest loop; simulated tokens have no log-probs, and every one is the model's, so
         # ``model_spans`` is not kept), the KV blocks the step held (``_blocks``), and who finished or calls a tool
-        tokens, versions = _ZEROS[:steps], [self.version] * steps
+        version = self.version
         shared: dict[str, int] = {}
         blocks = sum(self._own_blocks(seq, shared) for seq in self.in_tool)
         finished, tool, running = [], [], []
         block_size = self.block_size
         for seq in self.running:
             req = seq.request
-            req.output_ids += tokens
-            req.versions += versions
+            req.output_ids.grow(0, steps)
+            req.versions.grow(version, steps)
             generated = seq.generated = seq.generated + steps
             seq.needs_prefill = 0
             shared[seq.group] = seq.prompt_full_blocks  # ``_own_blocks``, inlined
