@@ -7,11 +7,13 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
           trained), per rollout rank-second of engine time
        c  consumption: tokens trained (prompt and response, fresh and replayed) per trainer replica-second
           of not waiting for data
-       L  the mean response length that arrived, and its trend per step
+       L  the mean response length that arrived, and its trend per step: the least-squares slope of the
+          windows' lengths over the last ``horizon_steps`` steps (a one-window difference swung the
+          prediction between half and twice the length on the live tiny_adaptive run)
    A rollout rank idle because the dispatch rule has no room, or a trainer waiting for samples, lowers the
    raw rates but not these: waiting is not mistaken for slowness.
-2. Smooth. Each is an EMA over windows (``ema``: the newest window's weight), so one noisy window moves
-   nothing, while a trend shows within a few windows.
+2. Smooth. Each rate and L is an EMA over windows (``ema``: the newest window's weight), so one noisy
+   window moves little, while a trend shows within a few windows.
 3. Predict at the horizon. The length the next ``horizon_steps`` steps will see on average is
    L_h = L + trend x horizon / 2, kept within [L / 2, 2 L] (a step change in the length is a trend for a
    window or two, not a forecast). A placement of n replicas of S ranks and R = world - n S rollout
@@ -40,6 +42,16 @@ from dataclasses import dataclass, field
 
 TIE = 0.02
 """Candidates whose predicted throughput is within this fraction of the best are tied (step 4)."""
+
+
+def least_squares_slope(points: list[tuple[int, float]]) -> float:
+    """The slope of the least-squares line through (x, y) points; 0 with fewer than two distinct x."""
+    if len(points) < 2:
+        return 0.0
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
 
 
 @dataclass(frozen=True)
@@ -206,6 +218,7 @@ class PlacementPlanner:
         self.left: int | None = None  # the replica count the last change left (step 6)
         self.transition_cost_s = settings.transition_cost_s
         self.smoothed: Rates | None = None
+        self.lengths: list[tuple[int, float]] = []  # (step, mean length) of the windows in the trend's span
         self.idle_streak = {"trainer": 0, "rollout": 0}
         self.decisions: list[PlacementDecision] = []
 
@@ -220,20 +233,22 @@ class PlacementPlanner:
         prompt = max(window.trained_tokens / window.trained_samples - window.length_mean, 0.0)
         return window.useful_tokens / window.rollout_busy_s, window.trained_tokens / working / replicas, prompt
 
-    def observe(self, window: WindowMeasurement, replicas: int) -> Rates | None:
+    def observe(self, window: WindowMeasurement, replicas: int, step: int) -> Rates | None:
         measured = self.window_rates(window, replicas)
         if measured is None:
             return self.smoothed
         production, consumption, prompt = measured
+        self.lengths = [(at, length) for at, length in self.lengths if at > step - self.settings.horizon_steps]
+        self.lengths.append((step, window.length_mean))
+        trend = least_squares_slope(self.lengths)
         previous, weight = self.smoothed, self.settings.ema
         if previous is None:
-            self.smoothed = Rates(production, consumption, window.length_mean, 0.0, prompt)
+            self.smoothed = Rates(production, consumption, window.length_mean, trend, prompt)
         else:
             blend = lambda old, new: (1 - weight) * old + weight * new  # noqa: E731
-            trend = (window.length_mean - previous.length) / window.steps
             self.smoothed = Rates(
                 blend(previous.production, production), blend(previous.consumption, consumption),
-                blend(previous.length, window.length_mean), blend(previous.length_trend, trend), blend(previous.prompt_tokens, prompt),
+                blend(previous.length, window.length_mean), trend, blend(previous.prompt_tokens, prompt),
             )
         return self.smoothed
 
@@ -281,7 +296,7 @@ class PlacementPlanner:
         if window.steps:
             for side, idle in (("trainer", window.trainer_idle), ("rollout", window.rollout_idle)):
                 self.idle_streak[side] = self.idle_streak[side] + 1 if idle > settings.idle_threshold else 0
-        rates = self.observe(window, replicas)
+        rates = self.observe(window, replicas, step)
         if rates is None:
             return PlacementDecision(step, replicas, None, "too little measured yet")
         candidates = self.candidates(rates)

@@ -111,9 +111,17 @@ def test_a_growing_length_is_predicted_at_the_horizon():
     plan = planner(horizon_steps=10)
     plan.decide(4, 2, rows(length=100.0))
     decision = plan.decide(6, 2, rows(length=200.0, first_step=3))
-    # smoothed length 150, trend (200 - 100) / 2 steps x 0.5 = 25 per step: 150 + 25 x 10 / 2
-    assert decision.rates.length == pytest.approx(150.0) and decision.rates.length_trend == pytest.approx(25.0)
-    assert decision.predicted_length == pytest.approx(275.0)
+    # smoothed length 150; the slope through (4, 100) and (6, 200) is 50 a step: 150 + 50 x 10 / 2 = 400, kept
+    # within twice the length
+    assert decision.rates.length == pytest.approx(150.0) and decision.rates.length_trend == pytest.approx(50.0)
+    assert decision.predicted_length == pytest.approx(300.0)
+    # a third window back at 150: the least-squares slope through the three is 12.5 (a one-window difference
+    # would say -25), the smoothed length stays 150: 150 + 12.5 x 5
+    decision = plan.decide(8, 2, rows(length=150.0, first_step=5))
+    assert decision.rates.length_trend == pytest.approx(12.5) and decision.predicted_length == pytest.approx(212.5)
+    # windows older than the horizon leave the slope: (8, 150) and (16, 150) are flat
+    decision = plan.decide(16, 2, rows(length=150.0, first_step=9))
+    assert decision.rates.length_trend == pytest.approx(0.0) and decision.predicted_length == pytest.approx(150.0)
 
 
 def test_ties_go_to_the_fresh_coverage_band():
