@@ -225,7 +225,6 @@ class ModeBase:
         timer: StepTimer,
         trained_version: int,
         trainer_wait_s: float,
-        rollout_wait_s: float,
         engine_window: WorkerStats | None = None,
     ) -> dict:
         """Metrics of one step over the trainer ranks (all ranks in colocated modes).
@@ -236,7 +235,10 @@ class ModeBase:
         environment wrote (in context, never trained on) too. ``staleness_counts[k]``
         is how many trained samples were k versions older than the policy ``trained_version`` they
         trained. ``engine_window``: this rank's engine time and counts over the step (a colocated mode), summed
-        over the ranks in the same reduction, under the decoupled rows' keys (``ENGINE_WINDOW_KEYS``)."""
+        over the ranks in the same reduction, under the decoupled rows' keys (``ENGINE_WINDOW_KEYS``); the
+        rollout idle ratio is then the share of the ranks' step seconds their engines did not work (a rank
+        waiting for a slower one's generation idles), as a decoupled mode's rollout window counts it. Without
+        one the caller sets it from its rollout window."""
         samples = new_samples
         staleness = [0] * (self.max_staleness + 1)
         for s in trained:
@@ -287,7 +289,10 @@ class ModeBase:
             "train_time_s": timer.get("train"),
             "weight_sync_s": timer.get("sync"),
             "trainer_idle_ratio": trainer_wait_s / max(step_time, 1e-9),
-            "rollout_idle_ratio": rollout_wait_s / max(step_time, 1e-9),
+            "rollout_idle_ratio": (
+                max(0.0, 1.0 - summed["rollout_busy_s"] / (dist.get_world_size(self.trainer_group) * max(step_time, 1e-9)))
+                if engine_window else 0.0
+            ),
             "grad_norm": stats.grad_norm,
             "clip_fraction": stats.clip_fraction,
             "is_weight_mean": stats.is_weight_mean,

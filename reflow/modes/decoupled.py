@@ -295,7 +295,7 @@ class DecoupledMode(ModeBase):
         self._exchange()
         # 5. metrics over the trainer ranks
         row = self.step_metrics(
-            plan.fresh, trained, stats, timer, trained_version, trainer_wait_s=timer.get("wait"), rollout_wait_s=0.0
+            plan.fresh, trained, stats, timer, trained_version, trainer_wait_s=timer.get("wait")
         )
         row.update(self._replay_cycle_metrics(plan, trained_version, model_tokens, masked))
         row.update(

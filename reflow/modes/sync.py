@@ -83,6 +83,5 @@ class SyncMode(ModeBase):
         # with the engines' window, summed over the ranks (the simulator fits its colocated engine cost from it)
         return self.step_metrics(
             samples, samples, stats, timer, trained_version,
-            trainer_wait_s=timer.get("gen"), rollout_wait_s=timer.get("train") + timer.get("sync"),
-            engine_window=engine_stats,
+            trainer_wait_s=timer.get("gen"), engine_window=engine_stats,
         )
