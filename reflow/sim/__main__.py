@@ -6,9 +6,10 @@
 
 fit       a cost profile from a real decoupled run's metrics.jsonl (``reflow.sim.profiles.fit_profile``)
 validate  replays the modes benchmark's configuration (train_configs/bench_modes.toml, its world size and
-          split) in the simulator, with a tiny-cpu profile fitted from that benchmark's four runs, and
-          reports the relative error of each mode's tokens/s and the error of its idle ratios (a fraction
-          of time: the absolute difference) against the measured ones. Top-level keys: throughput_error and
+          split) in the simulator, each mode with a tiny-cpu profile fitted from its own run (the first
+          seed's) and the groups of lengths that run wrote, and reports the relative error of each mode's
+          tokens/s and the error of its idle ratios (a fraction of time: the absolute difference) against
+          the measured ones, with mean in-flight, admission-to-finish, evicted fraction and sync seconds. Top-level keys: throughput_error and
           idle_error (the worst over modes), and per-mode detail. Run ``python -m reflow.bench modes``
           first. Target: within 0.10.
 compare   the paper's baselines and reflow on the reasoning-drift workload with the Qwen3-8B/H800
@@ -80,12 +81,12 @@ def cmd_validate(args) -> int:
     if missing:
         print(f"reflow.sim validate: {', '.join(missing)} not found: run `python -m reflow.bench modes` first", file=sys.stderr)
         return 2
-    # two engine placements, two profiles: the decoupled modes' rollout rank generates while the trainer rank
-    # trains beside it; sync mode's engines generate while their trainer waits (its own rows fit it)
-    decoupled = [metrics[mode] for mode in MODES if mode != "sync"]
+    # a profile per run: the component costs (an engine step, a train step, a sync, the loops' own seconds, the
+    # trainer's noise) measured in the run the simulation stands for, and the system's behaviour predicted from
+    # them. The runs follow one another on a shared machine whose speed drifts by a fifth over the benchmark's
+    # quarter hour, so one profile pooled over runs would charge each mode the others' machine
     try:
-        profile = fit_profile(decoupled, "tiny-cpu (fitted)", warmup_steps=bench["warmup"])
-        colocated = fit_profile([metrics["sync"]], "tiny-cpu colocated (fitted)", warmup_steps=bench["warmup"])
+        profiles = {mode: fit_profile([metrics[mode]], f"tiny-cpu {mode} (fitted)", warmup_steps=bench["warmup"]) for mode in MODES}
     except ValueError as error:  # a benchmark from before sync mode logged its engines' window, or a short one
         print(f"reflow.sim validate: {error}: run `python -m reflow.bench modes` again", file=sys.stderr)
         return 2
@@ -94,19 +95,24 @@ def cmd_validate(args) -> int:
     generated = {mode: _group_lengths(sent[mode]) for mode in MODES}
     detail, throughput_errors, idle_errors = {}, [], []
     for mode in MODES:
-        measured = real["modes"][mode]
+        # the first seed's run (the one the profile and the lengths come from), not the seeds' mean
+        measured = next((run for run in real["modes"][mode].get("per_seed", []) if run.get("seed") == 0), real["modes"][mode])
         # the groups of lengths the policy wrote in this run (it is not the dataset's answers: the tiny model
-        # stops short of the longest chains), from its ledger; sync mode keeps none, so it draws from the
-        # decoupled runs' (the same task, starting policy and step count)
-        groups = generated[mode] or [group for other in MODES if other != "sync" for group in generated[other]]
+        # stops short of the longest chains), from its ledger; sync mode keeps none, so it draws from the groups
+        # the decoupled runs finished over the steps it ran (the same task and starting policy, at the same
+        # stage of training: the lengths move as the policy learns)
+        steps = int(round(measured["steps"]))
+        groups = generated[mode] or [
+            group for other in MODES if other != "sync" for group in _group_lengths(sent[other], max_version=steps)
+        ]
         workload = dataclasses.replace(dataset, empirical_groups=tuple(groups)) if groups else dataset
         sim = simulate(SimConfig(
             mode=mode, gpus=world, prompts_per_step=cfg.training.prompts_per_step, group_size=cfg.training.group_size,
-            steps=int(round(measured["steps"])), replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
+            steps=steps, replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
             sigma=cfg.replay.sigma, tau=cfg.replay.tau, delta=cfg.replay.delta,
             interval=1 if mode == "sync" else cfg.weight_sync.interval, b_max=cfg.rollout.b_max, warmup_steps=bench["warmup"],
             macro_steps=1,  # the live engine's granularity: admission and commands after every decode step
-        ), colocated if mode == "sync" else profile, workload)
+        ), profiles[mode], workload)
         throughput = abs(sim["tokens_per_s"] - measured["tokens_per_s"]) / measured["tokens_per_s"]
         idle = max(abs(sim["trainer_idle_ratio"] - measured["trainer_idle_ratio"]),
                    abs(sim["rollout_idle_ratio"] - measured["rollout_idle_ratio"]))
@@ -130,8 +136,7 @@ def cmd_validate(args) -> int:
     result = {
         "command": "python -m reflow.sim validate",
         "real": os.path.relpath(args.real, ROOT) if os.path.isabs(args.real) else args.real,
-        "profile": profile.as_dict(),
-        "sync_profile": colocated.as_dict(),
+        "profiles": {mode: profile.as_dict() for mode, profile in profiles.items()},
         "workload": {
             "train_file": cfg.task.train_file, "prompt_tokens": dataset.prompt_tokens,
             "response_tokens": "the groups each run generated, drawn whole (its ledger; sync mode: the decoupled runs')",
@@ -175,12 +180,14 @@ def _sent(metrics_path: str) -> list[dict]:
     ]
 
 
-def _group_lengths(sent: list[dict]) -> list[tuple[int, ...]]:
-    """The response lengths of every group in ``sent``, a tuple per group (a sample's uid is its group's id,
-    "/", its index in the group), in the order the groups first appear."""
+def _group_lengths(sent: list[dict], max_version: int | None = None) -> list[tuple[int, ...]]:
+    """The response lengths of every group in ``sent`` (of those finished at a version up to ``max_version``),
+    a tuple per group (a sample's uid is its group's id, "/", its index in the group), in the order the groups
+    first appear."""
     groups: dict[str, list[int]] = {}
     for entry in sent:
-        groups.setdefault(entry["uid"].rsplit("/", 1)[0], []).append(entry["response_len"])
+        if max_version is None or entry["finish_version"] <= max_version:
+            groups.setdefault(entry["uid"].rsplit("/", 1)[0], []).append(entry["response_len"])
     return [tuple(lengths) for lengths in groups.values()]
 
 

@@ -187,8 +187,13 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     coefficients = _least_squares(columns, [r["train_time_s"] for r in steps])
     train_overhead, per_token = coefficients[:2]
     collective = coefficients[2] if len(coefficients) > 2 else base.train_collective_s
+    # each step's time over the prediction, scaled so that the simulated steps' mean is the measured mean (the
+    # non-negative fit's line need not pass through it, nor the mean of ratios equal the ratio of means)
     predicted = [sum(c * x for c, x in zip(coefficients, column)) for column in columns]
-    ratios = tuple(round(r["train_time_s"] / p, 3) for r, p in zip(steps, predicted) if p > 0)
+    pairs = [(r["train_time_s"], p) for r, p in zip(steps, predicted) if p > 0]
+    raw = [actual / p for actual, p in pairs]
+    scale = (sum(actual for actual, _ in pairs) / sum(p for _, p in pairs)) / (sum(raw) / len(raw)) if raw else 1.0
+    ratios = tuple(round(ratio * scale, 3) for ratio in raw)
     syncs = [r["weight_sync_s"] for r in steps if r["weight_sync_s"] > 0]
     # the trainer's step outside its wait (a decoupled trainer's, or sync mode's generation), its train step and
     # its sync: the median, as a step that evaluates or checkpoints is an outlier

@@ -14,11 +14,13 @@ Decoupled modes, one trainer step (``DecoupledSim.run``):
               leader's Progress goes out and shards short of samples take others' surplus
               (``TrainerView.moves``)
   2. train    plan every shard's batch (fresh earliest deadline first, replayed up to sigma), train for the
-              slowest rank's tokens plus the profile's fixed costs, while every worker runs on to the end of it
+              slowest rank's tokens times a measured step-to-step ratio plus the profile's fixed costs, while
+              every worker runs on to the end of it
   3. retire   first uses retire their samples
   4. sync     every k steps: SyncWeights to every worker, which takes its first-token steps, holds what is in
-              flight and joins; the sync ends weight_sync_s after the last one joined (trainer included), and
-              the held requests resume, prefilling prompt and prefix again (a reload resets the prefix cache)
+              flight and joins; the sync ends weight_sync_s after the trainer joined, or with the last worker
+              to join, and each worker's reload (worker_sync_s) holds its requests a little longer; they resume,
+              prefilling prompt and prefix again (a reload resets the prefix cache)
   5. progress the leader's Progress (with scheduler.kv_admission its dispatcher deals the new room by the
               workers' reported KV loads)
   6. place    at sync points the placement controller (the planner) may move ranks: Transition to every
@@ -532,7 +534,9 @@ class DecoupledSim:
 
     def _sync(self) -> float:
         """SyncWeights to every worker; each takes its first-token steps, holds and joins. The sync ends
-        ``weight_sync_s`` after the last to join (the trainer joins now); returns its seconds."""
+        ``weight_sync_s`` after the trainer joined (the measured seconds include the usual wait for the
+        workers), or when the last worker joined if that is later; each worker then reloads and adds its held
+        requests back for ``worker_sync_s``. Returns the trainer's seconds."""
         start = self.clock
         for shard in self.shards:
             shard.evict_stale(self.version, "at_sync")
@@ -541,7 +545,9 @@ class DecoupledSim:
         for index in range(len(self.workers)):
             if self._command_now(index, SyncWeights(self.version)) is not None:
                 raise RuntimeError(f"simulated worker {index} left at a weight sync")
-        end = max([self.clock] + self.weight_sync.joined) + self.profile.weight_sync_s
+        # the measured sync seconds include the usual wait for the workers to join (their first-token steps): the
+        # trainer waits longer only for a worker that joins later than that
+        end = max(self.clock + self.profile.weight_sync_s, max(self.weight_sync.joined, default=self.clock))
         for engine in self.engines:  # each waits for the broadcast, then reloads and adds its held requests back
             engine.wait_until(end)
             engine.clock += self.profile.worker_sync_s
