@@ -134,7 +134,7 @@ class Flush:
     pass
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerStats:
     """A rollout worker's window (since its previous report). ``a + b`` is the two windows together: the
     counts and seconds add up, the cap and the load report are the later window's."""

@@ -30,7 +30,6 @@ group the gate holds back starts later, under weights at least as new: it can on
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from typing import Callable
@@ -324,8 +323,9 @@ class RolloutWorker:
         )
 
     def _report(self) -> None:
-        window = self.stats + self.gate.report()
-        self.outbox.put(self.control.leader, dataclasses.replace(window, load=self.gate.load(started=self.budget.started)))
+        window = self.stats + self.gate.report()  # (a new WorkerStats: its load is set, nothing else is shared)
+        window.load = self.gate.load(started=self.budget.started)
+        self.outbox.put(self.control.leader, window)
         self.stats = WorkerStats()
         self.last_report = self.clock()
 

@@ -175,6 +175,8 @@ class TurnDriver:
             req.tool_s += time.perf_counter() - t0
 
     def _resume_answered(self, finished: list[Request]) -> None:
+        if not self.scoring and not self.waiting:  # (a single-turn task: before every engine step)
+            return
         for future in [f for f in self.scoring if f.done()]:
             future.result()  # a reward that raises is a bug in the task: it surfaces here
             finished.append(self.scoring.pop(future))
