@@ -9,9 +9,9 @@ validate  replays the modes benchmark's configuration (train_configs/bench_modes
           split) in the simulator, each mode with a tiny-cpu profile fitted from its own run (the first
           seed's) and the groups of lengths that run wrote, and reports the relative error of each mode's
           tokens/s and the error of its idle ratios (a fraction of time: the absolute difference) against
-          the measured ones, with mean in-flight, admission-to-finish, evicted fraction and sync seconds. Top-level keys: throughput_error and
-          idle_error (the worst over modes), and per-mode detail. Run ``python -m reflow.bench modes``
-          first. Target: within 0.10.
+          the measured ones, with mean in-flight, admission-to-finish, evicted fraction and sync seconds.
+          Top-level keys: throughput_error and idle_error (the worst over modes), worst_error, and per-mode
+          detail. Run ``python -m reflow.bench modes`` first. Target: within 0.10.
 compare   the paper's baselines and reflow on the reasoning-drift workload with the Qwen3-8B/H800
           profile, at each scale: sync, one_step_off, async, reflow_static_best (static splits tried, every
           replica count up to 8 of them, else 8 evenly spaced; the best in hindsight) and reflow_adaptive (placement planner, concurrency controller and KV

@@ -166,7 +166,7 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     ]
     rows = [row for run in runs for row in run]
     windows = [r for r in rows if r.get("rollout_engine_steps")]
-    steps = [r for r in rows if "train_time_s" in r and "placement" in r]
+    steps = [r for r in rows if _is_step(r)]
     if len(windows) < 3 or len(steps) < 3:
         raise ValueError(
             f"{', '.join(metrics_paths)}: need at least 3 steps of a run with rollout windows "
@@ -214,7 +214,7 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     # run whose workers do not time their syncs: less the trainer's sync seconds)
     unaccounted, ticks = 0.0, 0
     for run in runs:
-        run_steps = [r for r in run if "train_time_s" in r and "placement" in r]
+        run_steps = [r for r in run if _is_step(r)]
         if not any("rollout_idle_s" in r for r in run) or not run_steps:
             continue
         rollout_ranks = [parse_placement_name(r["placement"]).num_rollout_ranks for r in run_steps]
@@ -249,6 +249,11 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
         worker_sync_s=worker_sync,
         train_time_ratios=ratios,
     )
+
+
+def _is_step(row: dict) -> bool:
+    """A trainer step's row (not a rollout window's, an evaluation's or a placement change's)."""
+    return "train_time_s" in row and "placement" in row
 
 
 def trainer_ranks(placement: str) -> int:
