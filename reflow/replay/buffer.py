@@ -111,7 +111,10 @@ class ReplayBuffer:
 
     def _eligible_in_arrival_order(self, version: int) -> list[Sample]:
         floor = min(self.min_staleness, version - self.start_version)
-        return [s for s in self.unused if self.staleness(s, version) >= floor] if floor > 0 else self.unused
+        if floor <= 0:
+            return self.unused
+        newest, anchor = version - floor, self.anchor  # staleness >= floor: an anchor version at most this
+        return [sample for sample in self.unused if sample.anchor_version(anchor) <= newest]
 
     def _eligible(self, version: int) -> list[Sample]:
         """Unused samples it may train at ``version``, earliest deadline first (anchor version, then arrival)."""

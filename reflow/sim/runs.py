@@ -54,6 +54,10 @@ class Runs:
         return bool(self.ends)
 
     def __getitem__(self, index):
+        if index == 0 or index == -1:  # the first and last versions: read per sample at every readiness check
+            if not self.values:
+                raise IndexError("Runs index out of range")
+            return self.values[index]
         if isinstance(index, slice):
             return [self[k] for k in range(*index.indices(len(self)))]
         size = len(self)
