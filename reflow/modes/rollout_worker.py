@@ -100,6 +100,7 @@ class RolloutWorker:
         evaluate_first: bool = False,
         carried: list[HeldGroup] | None = None,
         clock: Callable[[], float] = time.time,
+        report_interval_s: float = 1.0,
     ):
         self.cfg = cfg
         self.rollout_index = rollout_index
@@ -117,6 +118,8 @@ class RolloutWorker:
         self.groups = GroupAssembler(scorer, self.group_size, rollout_index)
         self.stats = WorkerStats()  # this window's times (the gate keeps its own counts)
         self.last_report = clock()
+        self.report_interval_s = report_interval_s
+        """Seconds between its reports (WorkerStats) to the leader."""
         self.gate = AdmissionGate(cfg, engine, self.group_size, turns, clock=clock)
         self._next_group: tuple | None = None  # ((draw, version), its requests) while it waits on the gate
         self.commands: deque = deque()
@@ -151,8 +154,16 @@ class RolloutWorker:
     def take_commands(self) -> Command | None:
         """1. commands, in the order sent; returns the one that ends the worker, if one came."""
         self.commands.extend(self.control.poll())
+        progressed = False  # Progress words applied and not admitted on yet (a run of them admits once)
         while self.commands:
             command = self.commands.popleft()
+            if isinstance(command, Progress):
+                apply_progress(command, self.budget, self.router)
+                progressed = True
+                continue
+            if progressed:  # on the weights of now, before a SyncWeights (or a leaving) behind them applies
+                self._admit()
+                progressed = False
             if isinstance(command, Stop):
                 self.ledger["dropped_at_stop"] = [req.request_id for req in self.turns.drop_all()]
                 self.ledger["dropped_at_stop"] += self.groups.waiting_ids()
@@ -164,15 +175,14 @@ class RolloutWorker:
                 return command
             if isinstance(command, SyncWeights):
                 self._sync(command.version)
-            elif isinstance(command, Progress):
-                apply_progress(command, self.budget, self.router)
-                self._admit()  # on the weights of now, before a SyncWeights queued behind it applies
             else:
                 raise TypeError(f"unknown control command {command!r}")
+        if progressed:
+            self._admit()
         return None
 
     def work(self) -> None:
-        """2. admit, then 3. one engine step, or 4. idle until a command arrives; report about once a second."""
+        """2. admit, then 3. one engine step, or 4. idle until a command arrives; report every ``report_interval_s``."""
         self._admit()
         start = self.clock()
         if self.turns.num_active:
@@ -183,7 +193,7 @@ class RolloutWorker:
             self.stats.idle_s += self.clock() - start
             if command is not None:
                 self.commands.append(command)
-        if self.clock() - self.last_report > 1.0:
+        if self.clock() - self.last_report > self.report_interval_s:
             self._report()
 
     def _tell_followers(self, *call) -> None:

@@ -198,7 +198,7 @@ class Collect:
             self.reports.append(body)
 
 
-def simulated_worker(control, outbox, weights, window: int, engine=None, carried=None):
+def simulated_worker(control, outbox, weights, window: int, engine=None, carried=None, report_interval_s=1.0):
     """The live RolloutWorker over a simulated engine, groups of 4 whose answers are 6 to 60 tokens long."""
     import random
 
@@ -231,7 +231,8 @@ def simulated_worker(control, outbox, weights, window: int, engine=None, carried
     engine = engine or SimEngine(TINY_CPU, 0, max_steps=4)
     budget = DispatchBudget(DispatchRule(window=window), 0, 1, group_size=GROUP)
     worker = RolloutWorker(cfg, engine, TurnDriver(engine, None, None), Groups(), SimScorer(), weights, control, outbox,
-                           budget, 0, [0], carried=carried, clock=lambda: engine.clock)
+                           budget, 0, [0], carried=carried, clock=lambda: engine.clock,
+                           report_interval_s=report_interval_s)
     return worker, engine
 
 
@@ -284,3 +285,40 @@ def test_a_rollout_worker_over_a_simulated_engine_keeps_the_first_token_rule_acr
     assert all((finished[uid].origin == -1) == (uid in handed) for uid in finished)  # its own new group counts
 
 
+
+
+@pytest.mark.parametrize("interval", [0.5, 2.0])
+def test_a_rollout_worker_reports_once_per_interval(interval):
+    control, outbox = ScriptedControl(), Collect()
+    worker, engine = simulated_worker(control, outbox, ReloadSameWeights(), window=8 * GROUP, report_interval_s=interval)
+    worker.start()
+    reported_at, ticks = [], 0
+    while engine.clock < 20 * interval:
+        ticks += 1
+        assert ticks < 100_000
+        before = len(outbox.reports)
+        assert worker.tick() is None
+        if len(outbox.reports) > before:
+            reported_at.append(engine.clock)
+        control.queue.append(Progress(steps_done=0, retired=GROUP * len(outbox.groups)))  # the trainer keeps up
+    gaps = [later - earlier for earlier, later in zip(reported_at, reported_at[1:])]
+    assert len(reported_at) >= 10 and all(gap > interval for gap in gaps)
+    # a report follows the first tick that ends past the interval: at most one macro-step late
+    longest_tick = engine.max_steps * engine.profile.step_seconds(8 * GROUP, 8 * GROUP * 72, 8 * GROUP * 8)
+    assert all(gap <= interval + longest_tick for gap in gaps)
+
+
+def test_progress_words_in_one_poll_admit_before_the_sync_behind_them():
+    """Two Progress words and a SyncWeights arrive together: the room both freed is filled on the weights of
+    now, before the sync (the same as admitting after each word), and nothing is admitted twice."""
+    control, outbox = ScriptedControl(), Collect()
+    worker, engine = simulated_worker(control, outbox, ReloadSameWeights(), window=2 * GROUP)
+    worker.start()
+    assert worker.tick() is None
+    assert len(worker.ledger["started"]) == 2 * GROUP
+    control.queue.extend([Progress(steps_done=1, retired=GROUP), Progress(steps_done=1, retired=2 * GROUP), SyncWeights(1)])
+    assert worker.take_commands() is None
+    assert engine.version == 1 and len(worker.ledger["started"]) == 4 * GROUP
+    started_before_sync = {rid.split("/")[0] for rid in worker.ledger["started"]}
+    assert started_before_sync == {"g0", "g1", "g2", "g3"}
+    assert all(req.versions[0] == 0 for req in engine.active.values())  # every one started on version 0
