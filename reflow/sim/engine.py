@@ -64,10 +64,13 @@ class SimEngine:
 
     mirror = None
 
-    def __init__(self, profile: CostProfile, index: int, max_steps: int = 32):
+    def __init__(self, profile: CostProfile, index: int, max_steps: int = 32, macro_s: float = 0.0):
         self.profile = profile
         self.index = index
         self.max_steps = max_steps
+        self.macro_s = macro_s
+        """A macro-step runs more than ``max_steps`` decode steps where they take less than this many seconds
+        (a small batch's steps are short): the same granularity in time as a full engine's (0: steps only)."""
         self.block_size = profile.kv_block_size
         self.clock = 0.0
         self.until = float("inf")
@@ -147,7 +150,7 @@ class SimEngine:
     def step(self) -> list[Request]:
         """One macro-step, not past ``until``; returns the requests that finished. With nothing to run (every
         sequence at its tool) the engine idles to the first tool's return, or ``until``."""
-        return self._step(self.max_steps)
+        return self._step(self.max_steps, macro_s=self.macro_s)
 
     def step_until_started(self) -> list[Request]:
         """Single decode steps until every request in flight has a token (``RolloutEngine.step_until_started``);
@@ -199,7 +202,7 @@ class SimEngine:
                 break
             self.running.append(self.waiting.pop(0))
 
-    def _step(self, max_steps: int, ignore_until: bool = False) -> list[Request]:
+    def _step(self, max_steps: int, ignore_until: bool = False, macro_s: float = 0.0) -> list[Request]:
         until = float("inf") if ignore_until else self.until
         self.decode_steps = 0
         self._schedule()
@@ -212,17 +215,22 @@ class SimEngine:
             return []
         # one pass: the macro-step's length (no sequence passes its end or its next tool call), the prefill it
         # owes and the context it reads
-        steps, prefill, context = max_steps, 0, 0
+        steps, prefill, context = 1 << 62, 0, 0
         for seq in self.running:
             remaining = seq.target_tokens - seq.generated
             if remaining < steps:
                 steps = remaining
-            for point in seq.turn_points:  # (empty without tool turns)
-                if point > seq.generated:
-                    steps = min(steps, point - seq.generated)
-                    break
+            if seq.turn_points:
+                for point in seq.turn_points:
+                    if point > seq.generated:
+                        steps = min(steps, point - seq.generated)
+                        break
             prefill += seq.needs_prefill
             context += seq.prompt_tokens + seq.generated
+        longest = max_steps
+        if macro_s > 0.0:  # a small batch's short steps: as many as fill ``macro_s``
+            longest = max(max_steps, int(macro_s / self.profile.step_seconds(len(self.running), context)))
+        steps = min(steps, longest)
         # the cache: shorten the macro-step, or preempt the newest sequence when even one step overflows
         at_tool = sum(seq.prompt_tokens + seq.generated for seq in self.in_tool)
         while not self._fits(self.running + self.in_tool, steps, tokens=context + at_tool):
@@ -252,16 +260,32 @@ class SimEngine:
         version = self.version
         shared: dict[str, int] = {}
         blocks = sum(self._own_blocks(seq, shared) for seq in self.in_tool)
+        kept_shared = dict(shared)  # the blocks held after the step, by the sequences that stay (``kv_usage``)
+        kept = blocks
         finished, tool, running = [], [], []
         block_size = self.block_size
         for seq in self.running:
             req = seq.request
-            req.output_ids.grow(0, steps)
-            req.versions.grow(version, steps)
+            # ``Runs.grow``, inlined: the ids are 0 and the versions change only at a sync, so both are one run
+            ids, versions = req.output_ids, req.versions
+            if ids.values and ids.values[-1] == 0:
+                ids.ends[-1] += steps
+            else:
+                ids.ends.append((ids.ends[-1] if ids.ends else 0) + steps)
+                ids.values.append(0)
+            if versions.values and versions.values[-1] == version:
+                versions.ends[-1] += steps
+            else:
+                versions.ends.append((versions.ends[-1] if versions.ends else 0) + steps)
+                versions.values.append(version)
             generated = seq.generated = seq.generated + steps
             seq.needs_prefill = 0
             shared[seq.group] = seq.prompt_full_blocks  # ``_own_blocks``, inlined
-            blocks -= -(seq.prompt_rest + generated) // block_size
+            own = -(-(seq.prompt_rest + generated) // block_size)
+            blocks += own
+            if generated < seq.target_tokens:
+                kept += own
+                kept_shared[seq.group] = seq.prompt_full_blocks
             if generated >= seq.target_tokens:
                 req.finish_reason = "length" if seq.generated >= req.max_tokens else "stop"
                 del self.active[req.request_id]
@@ -274,8 +298,10 @@ class SimEngine:
             else:
                 running.append(seq)
         blocks += sum(shared.values())
+        kept += sum(kept_shared.values())
         self.prefilled_tokens += prefill
-        usage = min(1.0, blocks / max(self.budget_blocks, 1))  # what the step held, before the finished leave
+        budget = max(self.budget_blocks, 1)
+        usage = min(1.0, blocks / budget)  # what the step held, before the finished leave
         self.kv_usage_sum += usage * steps
         self.clock += seconds + steps * tick
         self.busy_s += seconds
@@ -284,5 +310,5 @@ class SimEngine:
         self.step_sequences += n * steps
         self.running = running
         self.in_tool.extend(tool)
-        self.signals = self._signals(usage if not finished and not tool else None)
+        self.signals = self._signals(min(1.0, kept / budget))  # after the finished left: ``kv_usage()``
         return finished

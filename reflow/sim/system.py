@@ -90,6 +90,12 @@ class SimConfig:
     macro_steps: int = 32
     """Decode steps an engine step may run at most (admission and commands run between engine steps): 1 is the
     live engine's granularity; more is faster to simulate."""
+    macro_s: float = 0.0
+    """Seconds of decode a macro-step fills at least, in more than ``macro_steps`` steps where a small batch's
+    steps are short (``SimEngine.macro_s``; 0: ``macro_steps`` only)."""
+    report_interval_s: float = 1.0
+    """Seconds between a worker's reports to the leader (``RolloutWorker.report_interval_s``): the live 1 s, or
+    longer where the reports would otherwise come after almost every macro-step."""
 
     @property
     def batch(self) -> int:
@@ -356,7 +362,7 @@ class DecoupledSim:
         # the rollout ranks that stay are the last ones (the trainer grows from rank 0 up)
         old = self.engines
         kept = old[len(old) - num_rollout:] if num_rollout <= len(old) else old
-        fresh = [SimEngine(self.profile, len(self.engines_ever) + i, cfg.macro_steps) for i in range(num_rollout - len(kept))]
+        fresh = [SimEngine(self.profile, len(self.engines_ever) + i, cfg.macro_steps, cfg.macro_s) for i in range(num_rollout - len(kept))]
         self.engines_ever.extend(fresh)
         for engine in fresh:
             engine.clock = self.clock
@@ -376,6 +382,7 @@ class DecoupledSim:
                 DispatchBudget(self.settings.dispatch, index, num_rollout, cfg.group_size, start_step=self.steps_done,
                                dealt=dealt_dispatch),
                 index, list(range(num_shards)), carried=carried[index], clock=self._clock_of(engine),
+                report_interval_s=cfg.report_interval_s,
             )
             for index, engine in enumerate(self.engines)
         ]
@@ -636,7 +643,7 @@ class DecoupledSim:
 def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> dict:
     """Colocated on-policy GRPO: every GPU generates its share, then every GPU trains, then the sync."""
     rng, train_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)
-    engines = [SimEngine(profile, i, cfg.macro_steps) for i in range(cfg.gpus)]
+    engines = [SimEngine(profile, i, cfg.macro_steps, cfg.macro_s) for i in range(cfg.gpus)]
     clock, records = 0.0, []
     for step in range(1, cfg.steps + 1):
         start = clock

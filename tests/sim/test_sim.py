@@ -36,6 +36,32 @@ def test_engine_shares_full_prompt_blocks_and_costs_each_step():
     assert engine._blocks([trajectory(req) for req in finished]) == 2 + 4 * 1
 
 
+def test_a_macro_step_of_a_small_batch_fills_its_seconds():
+    # one sequence's step costs 0.011 s: 0.25 s of decode is 22 steps, more than max_steps
+    engine = SimEngine(PROFILE, 0, max_steps=8, macro_s=0.25)
+    engine.resume(sequences("a", 1, prompt=4, target=100))
+    engine.step()
+    assert engine.decode_steps == int(0.25 / 0.011) == 22
+    # twenty sequences' steps cost 0.03 s: 8 of them (0.24 s) are max_steps already
+    engine = SimEngine(PROFILE, 0, max_steps=8, macro_s=0.25)
+    engine.resume(sequences("b", 20, prompt=4, target=100))
+    engine.step()
+    assert engine.decode_steps == 8
+    engine.resume(sequences("c", 1, prompt=4, target=100))
+    engine.step_until_started()  # first-token steps stay single decode steps
+    assert engine.decode_steps == 1
+
+
+def test_the_engine_signals_the_cache_its_sequences_hold_after_each_step():
+    engine = SimEngine(PROFILE, 0, max_steps=8)
+    engine.resume(sequences("a", 3, prompt=40, target=8) + sequences("b", 3, prompt=24, target=30))
+    while engine.num_active:
+        engine.step()
+        assert engine.signals.kv_usage == engine.kv_usage()
+        assert engine.signals.running == len(engine.running)
+    assert engine.signals.kv_usage == 0.0
+
+
 def test_engine_preempts_the_newest_sequence_when_the_cache_runs_out():
     small = CostProfile(**{**PROFILE.as_dict(), "kv_budget_tokens": 10 * 16})  # 10 blocks
     engine = SimEngine(small, 0, max_steps=4)
