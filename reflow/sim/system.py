@@ -37,6 +37,7 @@ with the others at a placement change; one global prompt stream.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import random
 import time
@@ -680,9 +681,20 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
 
 
 def simulate(cfg: SimConfig, profile: CostProfile, workload: Workload) -> dict:
-    if cfg.mode == "sync":
-        return simulate_sync(cfg, profile, workload)
-    return DecoupledSim(cfg, profile, workload).run()
+    """One simulation, with Python's cycle collector paused: a simulation allocates millions of short-lived
+    objects beside a growing set of long-lived ones (the ledger, the buffers' samples), and the collector's
+    passes over the long-lived ones were a third of a 128-GPU run's time (one_step_off: 23.1 s against 14.3 s
+    paused). Its garbage is freed by reference counting; what cycles it leaves (the peak resident memory grew
+    by 73 MB, to 330 MB) are collected once the collector is back."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if cfg.mode == "sync":
+            return simulate_sync(cfg, profile, workload)
+        return DecoupledSim(cfg, profile, workload).run()
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def simulate_job(job: tuple[SimConfig, CostProfile, Workload]) -> dict:
