@@ -128,6 +128,10 @@ class TrainingSection:
     """Optimizer updates per pass (the batch is split into this many minibatches)."""
     micro_batch_size: int = limited(32, ge=1)
     """Sequences per forward/backward on one rank (gradient accumulation inside a minibatch)."""
+    logprob_chunk_tokens: int = limited(1024, ge=0)
+    """Tokens whose log-probs are computed at once: the output projection and log-softmax run a chunk at a
+    time (recomputed in the backward pass), so the peak is chunk x vocabulary, not micro-batch x sequence x
+    vocabulary (with Qwen3's 152k vocabulary, 1024 tokens are 0.6 GiB in fp32). 0: the whole micro-batch."""
     advantage_eps: float = 1e-6
     """Added to the group reward std when normalizing advantages."""
     normalize_adv_std: bool = True

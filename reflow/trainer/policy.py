@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from reflow.algorithms.grpo import LossConfig, loss_denominator, token_loss_terms, weighted_token_sum
 from reflow.config.job_config import JobConfig
@@ -51,7 +52,7 @@ from reflow.trainer.parallelize import apply_block_compile, apply_fsdp, apply_fu
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(target) under softmax(logits / T). logits (B, T, V), targets (B, T) -> (B, T)
+    """log p(target) under softmax(logits / T). logits (..., V), targets (...) -> (...)
 
     Computed as logit[target] - logsumexp(logits): one full-vocabulary fp32 copy, not three."""
     logits = logits.float()
@@ -59,6 +60,34 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float) -> torch.Tensor:
+    return token_logprobs(head(hidden), targets, temperature)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, chunk_tokens: int,
+) -> torch.Tensor:
+    """``token_logprobs(head(hidden), targets, temperature)`` without the full-vocabulary tensor: the output
+    projection and the log-softmax run over ``chunk_tokens`` tokens at a time, and with gradients on each
+    chunk is checkpointed (its logits are recomputed in the backward pass instead of kept), so the peak is
+    one chunk's logits, ``chunk_tokens x vocab`` in the head's dtype plus its fp32 copy, whatever the
+    micro-batch. hidden (B, T, D), targets (B, T) -> (B, T). ``chunk_tokens`` <= 0: one chunk."""
+    batch, length = targets.shape
+    flat_hidden, flat_targets = hidden.reshape(batch * length, -1), targets.reshape(batch * length)
+    size = chunk_tokens if chunk_tokens > 0 else max(batch * length, 1)
+    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    parts = []
+    for start in range(0, batch * length, size):
+        piece, piece_targets = flat_hidden[start:start + size], flat_targets[start:start + size]
+        if keep_graph:
+            parts.append(checkpoint(
+                _head_logprobs, piece, piece_targets, head, temperature, use_reentrant=False,
+            ))
+        else:
+            parts.append(_head_logprobs(piece, piece_targets, head, temperature))
+    return torch.cat(parts).reshape(batch, length) if parts else flat_targets.new_zeros((batch, length), dtype=torch.float32)
 
 
 @dataclass
@@ -153,6 +182,7 @@ class PolicyTrainer:
 
         def skeleton(trainable: bool) -> torch.nn.Module:
             module = build_on_meta(self.model_config)
+            module._skip_lm_head = True  # forward returns the final hidden states: ``chunked_token_logprobs``
             if trainable and training.activation_checkpointing == "full":
                 apply_full_activation_checkpointing(module)
             if trainable and training.compile:  # the reference runs one forward per step: not worth a compile
@@ -290,8 +320,12 @@ class PolicyTrainer:
             # one document per row: the block-causal mask is plain causal
             positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
             masks = model.get_attention_masks(positions)
-        logits = model(inputs, attention_masks=masks)  # (B, T-1, V); SDPA is causal without masks
-        return token_logprobs(logits, tokens[:, 1:], self.temperature)
+        # (B, T-1, D): the model stops before its output projection (``_skip_lm_head``, set at build), which
+        # runs a chunk of tokens at a time here; the root FSDP unit that holds it stays unsharded from its
+        # forward through the backward pass, so the head's weight is the gathered one
+        hidden = model(inputs, attention_masks=masks)  # SDPA is causal without masks
+        return chunked_token_logprobs(hidden, tokens[:, 1:], model.lm_head, self.temperature,
+                                      self.cfg.training.logprob_chunk_tokens)
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor, TrainBatch]]:
         """(row indices, micro-batch) pairs of one batch: rows grouped by length and each micro-batch cut to
