@@ -1,7 +1,7 @@
 """ReFlow entry point.
 
     torchrun --nproc-per-node N -m reflow.train --config train_configs/tiny.toml [--section.key=value ...]
-    python -m reflow.train --config train_configs/qwen3_8b.toml --dry-run     # print the resolved config
+    python -m reflow.train --config train_configs/qwen3_8b.toml --dry-run     # the resolved config and memory plan
     WORLD_SIZE=N python -m reflow.train --config ... --check  # what the launchers run before torchrun
 
 Bad input (config, placement, data files, model folder, checkpoint) is one line naming the file and key,
@@ -56,7 +56,10 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
     hf_dir = resolve_hf_dir(cfg, recipe)
     if not os.path.isdir(hf_dir):
         warnings.append(f"checkpoint folder {hf_dir} not found on this machine (needed to train)")
+    plan = plan_memory(cfg, recipe, placement)
+    warnings += [f"memory: {problem}" for problem in plan.problems]
     print(format_config(cfg))
+    print(plan.format())
     print(
         json.dumps(
             {
@@ -66,6 +69,7 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
                 "recipe": recipe.path,
                 "num_params": n,
                 "trainer_param_bytes_per_rank": 4 * n // placement.shard_degree,
+                "memory_plan": plan.as_dict(),
                 "hf_checkpoint": hf_dir,
                 "warnings": warnings,
             },
@@ -73,6 +77,43 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
         )
     )
     return 0
+
+
+def plan_memory(cfg: JobConfig, recipe, placement):
+    from reflow.memory_plan import memory_plan
+
+    return memory_plan(cfg, recipe, placement)
+
+
+def check_memory(cfg: JobConfig, recipe, placement, where) -> None:
+    """Refuse a run whose memory plan does not fit the recipe's device: one line, the term and the knob."""
+    plan = plan_memory(cfg, recipe, placement)
+    if plan.problems:
+        raise ConfigError(f"{where('placement')}: with {recipe.path} on {placement.name}, {plan.problems[0]}"
+                          + (f" (and {len(plan.problems) - 1} more: see --dry-run)" if len(plan.problems) > 1 else ""))
+
+
+def check_device(cfg: JobConfig, recipe, where) -> None:
+    """A recipe that names CUDA runs on CUDA: no silent fall-back to CPU and gloo. And one GPU per rank, unless
+    placement.allow_shared_gpu says otherwise."""
+    if recipe.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"{recipe.path}: [recipe] device = 'cuda', but torch sees no usable CUDA device here "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}; check the driver and CUDA_VISIBLE_DEVICES), "
+            "and a GPU recipe does not fall back to CPU: run it on a GPU node, or pick a CPU recipe such as model.recipe = 'tiny'"
+        )
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    visible = torch.cuda.device_count()
+    if local_ranks > visible and not cfg.placement.allow_shared_gpu:
+        raise ConfigError(
+            f"{where('placement.allow_shared_gpu')}: {local_ranks} ranks on this node but {visible} visible GPU(s): "
+            "each rank's engine and trainer plan on a whole device; start one rank per GPU (torchrun --nproc-per-node), "
+            "or set placement.allow_shared_gpu = true"
+        )
 
 
 def _planned_world_size(cfg: JobConfig) -> int:
@@ -246,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         schedule = parse_schedule(cfg, placement, manager.where) if cfg.placement.schedule else []
         recipe = load_recipe(cfg.model.recipe)
         warnings = validate_recipe(cfg, recipe, placement, manager.where) + mode_warnings(cfg, manager.where)
+        check_memory(cfg, recipe, placement, manager.where)
+        if not manager.check_only:  # (--check also runs where the job is submitted, which may have no GPU)
+            check_device(cfg, recipe, manager.where)
         problems = check_inputs(cfg, recipe, manager.where)
     except (ConfigError, ValueError) as e:
         if int(os.environ.get("RANK", "0")) == 0:  # one line per run, not one per rank

@@ -24,6 +24,10 @@ def test_dry_run(path):
     assert summary["num_params"] > 0
     assert "trainer HSDP" in summary["placement"]
     assert summary["feasible_placements"] and all(name.startswith("T") for name in summary["feasible_placements"])
+    # every shipped config's memory plan fits its recipe's device (tests/test_memory_plan.py checks the terms)
+    plan = summary["memory_plan"]
+    assert plan["fits"] and not plan["problems"] and "memory plan per rank" in proc.stdout
+    assert set(plan["roles"]) in ({"colocated"}, {"trainer", "rollout"})
 
 
 def test_dry_run_reports_config_error(tmp_path):

@@ -188,7 +188,8 @@ class RolloutSection:
     enforce_eager: bool = True
     """vLLM: skip CUDA graphs / compilation (always True on CPU)."""
     tensor_parallel_degree: int = 1
-    """vLLM tensor parallel degree per engine (s_R). Only 1 is supported in this build."""
+    """vLLM tensor parallel degree per engine (s_R): an engine spans this many consecutive ranks
+(``reflow.rollout.tensor_parallel``)."""
     b_max: int = limited(0, ge=0)
     """B_max ('reflow' mode): most samples that may start generating between two trainer steps, over all
     rollout ranks (a multiple of group_size, >= the batch); credit a step leaves unused expires. 0 = the batch,
@@ -211,6 +212,12 @@ class PlacementSection:
     """HSDP shard dimension (s_T); -1 = all remaining trainer ranks."""
     num_rollout_ranks: int = 0
     """Ranks that only generate. 0 = colocated: every rank both trains and generates (sync mode)."""
+    gpu_memory_gib: float = limited(0.0, ge=0)
+    """Memory of one GPU, for the memory plan that --dry-run prints and every start checks (0: the recipe's
+    [parallelism] gpu_memory_gib, 80 unless it says otherwise)."""
+    allow_shared_gpu: bool = False
+    """Let several ranks of a node share one GPU (more local ranks than visible GPUs): refused otherwise, as
+    the ranks' engines and trainers would each plan on the whole device."""
     schedule: list[str] = field(default_factory=list)
     """Forced placement changes ('reflow' mode): "STEP:REPLICAS" entries, e.g. ["10:1", "20:2"]: after trainer
     step STEP (a weight-sync step) the trainer has REPLICAS replicas of trainer_shard_degree ranks and the

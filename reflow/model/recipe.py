@@ -39,6 +39,8 @@ class Parallelism:
     min_world_size: int
     trainer_shard_degree: int
     rollout_tensor_parallel_degree: int
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU the recipe is planned for (``reflow.memory_plan``; placement.gpu_memory_gib overrides)."""
 
 
 @dataclass
@@ -72,7 +74,8 @@ def _section(data: dict, name: str, cls: type, path: str):
     table = data[name]
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - names)
-    missing = sorted(n for n in names if n not in table and n not in ("path", "extra", "architecture", "parallelism", "vllm"))
+    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    missing = sorted(n for n in names if n not in table and n not in optional | {"architecture", "parallelism", "vllm"})
     if unknown:
         raise ValueError(f"{path}: unknown key(s) in [{name}]: {', '.join(unknown)}")
     if missing:
