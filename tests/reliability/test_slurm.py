@@ -31,7 +31,7 @@ def test_job_shape_follows_the_placement():
 
 
 def test_the_shipped_configs_render(tmp_path):
-    for config, nodes in (("qwen3_8b", 1), ("qwen3_32b", 2)):
+    for config, nodes in (("qwen3_8b", 1), ("qwen3_32b", 4)):
         out = tmp_path / f"{config}.sbatch"
         run = subprocess.run(
             [sys.executable, "-m", "reflow.slurm", "--config", f"train_configs/{config}.toml", "--out", str(out)],
