@@ -40,10 +40,12 @@ The engine's terms, per engine rank, with tensor-parallel degree T (bf16 weights
                             least one sequence of ``rollout.max_model_len`` tokens (vLLM refuses to start
                             otherwise), at 4 x layers x max(kv_heads / T, 1) x head_dim bytes a token
   asleep                    ENGINE_ASLEEP_GIB (sleep level 1 offloads the weights to pinned host memory and
-                            frees the cache; the allocator's pools and CUDA graphs stay)
+                            frees the cache, level 2 drops both; the allocator's pools and CUDA graphs stay)
 
 Pinned host memory: the parked trainer state (parameters, AdamW moments, reference; gradients are freed after
-each update) of a colocated rank, and an asleep engine's weights. A phase fits when its sum is at most
+each update) of a colocated rank, and an asleep engine's weights at level 1: a decoupled trainer rank's, and a
+colocated rank's when ``weight_sync.interval`` > 1 (with a sync after every step, sync mode's engine sleeps at
+level 2: the reload overwrites the weights, so none are kept). A phase fits when its sum is at most
 ``USABLE_FRACTION`` of the device (the CUDA context and the caching allocator's fragmentation take the rest).
 """
 
@@ -228,8 +230,11 @@ def memory_plan(cfg, recipe, placement) -> MemoryPlan:
         offload = on_gpu and cfg.training.offload_while_generating
         stays = [] if offload else [Term("trainer state", parked, "training.offload_while_generating")]
         generate, tokens = engine_phase(stays)
+        # the engine sleeps at level 2 (its weights dropped, not pinned) before a step that a sync follows
+        keeps_weights = cfg.weight_sync.interval > 1
         roles.append(RolePlan("colocated", placement.world_size, (generate, Phase("train", (*trainer, asleep))),
-                              pinned_host_bytes=(parked if offload else 0) + engine_weights.bytes * on_gpu, kv_tokens=tokens))
+                              pinned_host_bytes=(parked if offload else 0) + engine_weights.bytes * on_gpu * keeps_weights,
+                              kv_tokens=tokens))
     else:
         roles.append(RolePlan("trainer", placement.num_trainer_ranks, (Phase("train", (*trainer, asleep)),),
                               pinned_host_bytes=engine_weights.bytes * on_gpu))

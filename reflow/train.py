@@ -234,7 +234,11 @@ def build_components(
         log.info("CPU run: vLLM sleep/wake and trainer offload are no-ops")
     # 4. trainer shard
     # (every rank in the decoupled modes, whose placement may change: a rank outside the starting trainer holds
-    # only the FSDP skeletons of the placements it may join, no storage)
+    # only the FSDP skeletons of the placements it may join, no storage). A rank that trains puts its engine to
+    # sleep first: the engine took its share of the device when it was built, and the trainer's state is
+    # allocated into what that leaves (sync mode's first generation wakes it, with the state parked)
+    if placement.is_trainer(rank):
+        engine.sleep()
     trainer = None
     if placement.is_trainer(rank) or not placement.colocated:
         trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, placement.replicate_degree, device)

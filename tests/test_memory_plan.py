@@ -48,8 +48,11 @@ def test_the_qwen3_8b_plan_term_by_term():
     }
     assert role.kv_tokens == 223_867
     assert generate.bytes == 51_539_607_552  # the engine's whole budget: the trainer waits in host memory
-    # pinned host: parameter shards and AdamW moments parked while generating, the engine's weights while training
-    assert role.pinned_host_bytes == 4_095_367_680 + 8_190_735_360 + 16_381_470_720
+    # pinned host: parameter shards and AdamW moments parked while generating; the engine, with a sync after every
+    # step, sleeps at level 2 (its weights dropped, not pinned)
+    assert role.pinned_host_bytes == 4_095_367_680 + 8_190_735_360
+    _, every_other = _plan("train_configs/qwen3_8b.toml", "--weight_sync.interval=2", world=8)
+    assert every_other.roles[0].pinned_host_bytes == 4_095_367_680 + 8_190_735_360 + 16_381_470_720
     assert plan.fits and role.peak is generate
 
 

@@ -60,7 +60,9 @@ class SyncMode(ModeBase):
         with timer("gen"):
             parts.trainer.park("optimizer", "parameters")
             finished = parts.turns.generate(requests, engine_stats)
-            parts.engine.sleep()
+            # a sync follows this step's update: the engine's weights are overwritten then, so they are dropped
+            # now rather than copied to host memory and back
+            parts.engine.sleep(discard_weights=(self.version + 1) % parts.cfg.weight_sync.interval == 0)
             engine_stats.busy_s = time.perf_counter() - gen_start - parts.turns.take_tool_wait()
             # the step's generation ends with its slowest rank's: a faster rank's wait for it is generation time,
             # not a slow first collective of the train step (rows and the simulator's fit read them apart)

@@ -48,7 +48,11 @@ def change_placement(mode: "DecoupledMode", replicas: int) -> dict:
             time.sleep(0.002)
         mode.flushed.clear()
         mode.settle_moves()
-    # 2. the trainer's shards
+    # 2. the trainer's shards; a rank that joins the trainer puts its engine to sleep first (nothing is in flight:
+    #    its worker held everything), so that the shards it receives find the engine's memory free
+    joins = not old.is_trainer(mode.rank) and new.is_trainer(mode.rank) and not new.is_rollout(mode.rank)
+    if joins:
+        parts.engine.sleep()
     resized = parts.trainer.resize(replicas, bucket_bytes=int(parts.cfg.weight_sync.bucket_size_mb * 2**20))
     # 3. a leaving shard's samples go to a staying one (use counts and versions kept)
     if mode.is_trainer and not new.is_trainer(mode.rank):
@@ -74,8 +78,6 @@ def change_placement(mode: "DecoupledMode", replicas: int) -> dict:
     mode.enter(new)  # (the budgets start afresh: no sample a shard holds counts against one of the old placement's)
     # 5. weights into every engine that generates now (an engine that was asleep wakes in load_weights)
     mode.weight_sync.sync(parts.trainer if mode.is_trainer else None, parts.engine, mode.version)
-    if mode.is_trainer and not old.is_trainer(mode.rank) and not mode.placement.is_rollout(mode.rank):
-        parts.engine.sleep()
     seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     moved = torch.tensor([resized.bytes_moved], dtype=torch.float64)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)

@@ -101,6 +101,8 @@ class RolloutEngine:
         self.cfg = cfg
         self.version = 0
         self.sleeping = False
+        self.weights_discarded = False
+        """Asleep at level 2: the device holds no weights until ``load_weights`` brings new ones."""
         self.active: dict[str, Request] = {}  # vLLM request id -> request
         self._submissions = 0
         self.mirror: EngineMirror | None = None
@@ -220,7 +222,13 @@ class RolloutEngine:
         weights computed while its tokens are labelled with the new version. Nothing is in flight here (a
         sync holds every request first), so every block is free and the reset cannot fail but loudly."""
         t0 = time.time()
-        self.wake_up()  # a sleeping engine's weights are not mapped: never load into it
+        if self.weights_discarded:
+            # asleep at level 2: map the weights' memory only and load into it; the KV cache stays asleep until the
+            # engine next runs (``add`` wakes it), by when the trainer has parked its state
+            self.llm.wake_up(tags=["weights"])
+            self.weights_discarded = False
+        else:
+            self.wake_up()  # a sleeping engine's weights are not mapped: never load into it
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
@@ -230,14 +238,19 @@ class RolloutEngine:
         self.version = version
         return time.time() - t0
 
-    def sleep(self) -> None:
-        """Free accelerator memory while this rank trains (a no-op on CPU)."""
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Free accelerator memory while this rank trains (a no-op on CPU). Level 1 keeps the weights in pinned
+        host memory, to wake with; ``discard_weights`` (level 2) drops them, for a caller that loads new ones
+        before the engine runs again (a weight sync): no round trip of weights the reload overwrites."""
         assert not self.active, "cannot sleep with requests in flight"
         if torch.cuda.is_available() and not self.sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2 if discard_weights else 1)
+            self.weights_discarded = discard_weights
         self.sleeping = True
 
     def wake_up(self) -> None:
+        if self.weights_discarded:
+            raise RuntimeError("the engine slept without its weights (level 2): load_weights must come before it runs")
         if torch.cuda.is_available() and self.sleeping:
             self.llm.wake_up()
         self.sleeping = False

@@ -1,0 +1,54 @@
+"""The engine's sleep levels as vLLM sees them on CUDA, with a recording stand-in for ``vllm.LLM`` (the CPU build
+has no sleep mode): a sleep before a weight sync drops the weights (level 2) and the reload maps only their
+memory, leaving the KV cache asleep until the engine next runs; any other sleep keeps the weights (level 1)."""
+
+import pytest
+import torch
+
+from reflow.rollout.engine import RolloutEngine
+
+
+class RecordingLLM:
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags) if tags else None))
+        return True
+
+    def collective_rpc(self, name, kwargs):
+        self.calls.append((name,))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine = object.__new__(RolloutEngine)  # the sleep and reload logic, without building vLLM
+    engine.llm, engine.active, engine.sleeping, engine.weights_discarded, engine.version = RecordingLLM(), {}, False, False, 0
+    return engine
+
+
+def test_a_sleep_before_a_sync_drops_the_weights_and_the_reload_maps_only_theirs(engine):
+    engine.sleep(discard_weights=True)
+    with pytest.raises(RuntimeError, match="load_weights must come before"):
+        engine.wake_up()  # it must not run on weights it no longer has
+    engine.load_weights(iter(()), version=1)
+    assert engine.llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload_weights",), ("reset_prefix_cache",)]
+    assert engine.sleeping and not engine.weights_discarded and engine.version == 1
+    engine.wake_up()  # the next generation maps the KV cache, after the trainer parked its state
+    assert engine.llm.calls[-1] == ("wake_up", None) and not engine.sleeping
+
+
+def test_any_other_sleep_keeps_the_weights_and_a_reload_wakes_it_whole(engine):
+    engine.sleep()
+    engine.sleep()  # asleep already: nothing more
+    engine.load_weights(iter(()), version=3)
+    assert engine.llm.calls == [("sleep", 1), ("wake_up", None), ("reload_weights",), ("reset_prefix_cache",)]
+    assert not engine.sleeping
