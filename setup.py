@@ -17,6 +17,8 @@ COMMON = [
     "pillow",  # the benchmarks' and the simulator's PNGs
     "math-verify==0.9.0",  # the math task's reward
     "pyarrow",  # Parquet prompt datasets (verl's RL layout)
+    "huggingface_hub",  # models and datasets by hub id, through the standard cache
+    "datasets",  # a hub dataset's split
 ]
 
 setup(

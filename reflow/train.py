@@ -33,8 +33,12 @@ from reflow.model.recipe import load_recipe, resolve_path
 logger = logging.getLogger("reflow")
 
 
-def resolve_hf_dir(cfg: JobConfig, recipe) -> str:
-    return resolve_path(cfg.model.hf_checkpoint or recipe.hf_checkpoint)
+def resolve_hf_dir(cfg: JobConfig, recipe, where=lambda key: "config") -> str:
+    """The checkpoint folder: a local path, or a hub id's snapshot in the Hugging Face cache (``reflow.hub``)."""
+    from reflow.hub import resolve_model
+
+    key = f"{where('model.hf_checkpoint')}: model.hf_checkpoint" if cfg.model.hf_checkpoint else f"{recipe.path}: [recipe] hf_checkpoint"
+    return resolve_model(cfg.model.hf_checkpoint or recipe.hf_checkpoint, key)
 
 
 def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
@@ -53,8 +57,13 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
     n = count_params(build_on_meta(model_cfg))
     if n != recipe.num_params:
         raise ConfigError(f"{recipe.path}: [recipe] num_params = {recipe.num_params}, but the model has {n}")
-    hf_dir = resolve_hf_dir(cfg, recipe)
-    if not os.path.isdir(hf_dir):
+    from reflow.hub import is_hub_id
+
+    named = cfg.model.hf_checkpoint or recipe.hf_checkpoint
+    hf_dir = named if is_hub_id(named) else resolve_path(named)  # (a dry run downloads nothing)
+    if is_hub_id(named):
+        warnings.append(f"checkpoint {named} is a Hugging Face hub id: fetched into the hub cache at start-up")
+    elif not os.path.isdir(hf_dir):
         warnings.append(f"checkpoint folder {hf_dir} not found on this machine (needed to train)")
     plan = plan_memory(cfg, recipe, placement)
     warnings += [f"memory: {problem}" for problem in plan.problems]
@@ -151,10 +160,8 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
     from reflow.tasks import build_task, load_problems
     from reflow.trainer.hf_io import check_hf_dir
 
-    if cfg.model.hf_checkpoint:
-        check_hf_dir(resolve_hf_dir(cfg, recipe), f"{where('model.hf_checkpoint')}: model.hf_checkpoint")
-    else:
-        check_hf_dir(resolve_hf_dir(cfg, recipe), f"{recipe.path}: [recipe] hf_checkpoint")
+    key = f"{where('model.hf_checkpoint')}: model.hf_checkpoint" if cfg.model.hf_checkpoint else f"{recipe.path}: [recipe] hf_checkpoint"
+    check_hf_dir(resolve_hf_dir(cfg, recipe, where), key)
     build_task(cfg.task)
     train_problems = load_problems(resolve_path(cfg.task.train_file), f"{where('task.train_file')}: task.train_file")
     eval_problems = load_problems(resolve_path(cfg.task.eval_file), f"{where('task.eval_file')}: task.eval_file")

@@ -1,6 +1,7 @@
 """Prompt datasets: local JSONL or Parquet files, in the layouts the community ships them in.
 
-    load_problems(path, key) -> list[Problem]        the layout is read off each row
+    load_problems(path, key) -> list[Problem]        the layout is read off each row; ``path`` may be a hub
+                                                     dataset's split, ``org/name:split`` (``reflow.hub``)
 
 Layouts:
   reflow   {"id", "prompt": str, "answer"}                            (assets/data/chain_sum_*.jsonl)
@@ -31,13 +32,19 @@ class RowError(ValueError):
 
 
 def load_problems(path: str, key: str = "task.train_file") -> list[Problem]:
-    if os.path.isdir(path):
-        raise ValueError(f"{key}: {path} is a folder, not a JSONL or Parquet file")
-    if not os.path.exists(path):
-        raise ValueError(f"{key}: task data file not found: {path}")
-    reader = _parquet_rows if path.endswith(".parquet") else _jsonl_rows
+    """A local JSONL or Parquet file, or a hub dataset's split, ``org/name:split`` (``reflow.hub``)."""
+    from reflow.hub import dataset_rows, is_dataset_spec
+
+    if is_dataset_spec(path):
+        rows: Iterator[tuple[str, int, Any]] = ((f"{path} row {i}", i, row) for i, row in enumerate(dataset_rows(path, key)))
+    else:
+        if os.path.isdir(path):
+            raise ValueError(f"{key}: {path} is a folder, not a JSONL or Parquet file")
+        if not os.path.exists(path):
+            raise ValueError(f"{key}: task data file not found: {path} (nor a hub dataset: org/name:split)")
+        rows = (_parquet_rows if path.endswith(".parquet") else _jsonl_rows)(path, key)
     problems = []
-    for where, row_id, row in reader(path, key):
+    for where, row_id, row in rows:
         try:
             problems.append(parse_row(row, default_id=f"{os.path.basename(path)}:{row_id}"))
         except RowError as e:

@@ -46,6 +46,54 @@ def check_hf_dir(hf_dir: str, key: str = "model.hf_checkpoint") -> None:
         raise ValueError(f"{key}: no config.json in {hf_dir}")
     if not files & {"tokenizer.json", "tokenizer_config.json"}:
         raise ValueError(f"{key}: no tokenizer (tokenizer.json or tokenizer_config.json) in {hf_dir}")
+    for name in sorted(f for f in files if f.endswith(".safetensors")):
+        check_safetensors(os.path.join(hf_dir, name), key)
+
+
+SAFETENSORS_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                      "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def check_safetensors(path: str, key: str) -> None:
+    """A safetensors file whose header reads and whose tensors fill the file exactly (the format: an 8-byte
+    little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the data): a
+    header overwritten with junk or a truncated download is one line naming the file, before any rank loads
+    it, instead of a traceback from deep inside the loader. Only the header is read."""
+    size = os.path.getsize(path)
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{key}: {path} is not a readable safetensors file: {why} (download it again)")
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than the header's length field")
+        length = int.from_bytes(head, "little")
+        if length <= 0 or 8 + length > size:
+            raise bad(f"its header claims {length} bytes, the file has {size}")
+        try:
+            header = json.loads(f.read(length).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise bad(f"its header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = entry["data_offsets"]
+            count = SAFETENSORS_DTYPES[entry["dtype"]]
+            for dim in entry["shape"]:
+                count *= dim
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name!r} has no dtype, shape or data_offsets the format knows") from None
+        if stop - start != count:
+            raise bad(f"tensor {name!r} spans {stop - start} bytes, its shape and dtype need {count}")
+        end = max(end, stop)
+    if 8 + length + end != size:
+        raise bad(f"its tensors end at byte {8 + length + end}, the file has {size} (truncated?)" if 8 + length + end > size
+                  else f"{size - 8 - length - end} bytes follow its last tensor")
 
 
 @torch.no_grad()
