@@ -222,13 +222,15 @@ class RolloutEngine:
         weights computed while its tokens are labelled with the new version. Nothing is in flight here (a
         sync holds every request first), so every block is free and the reset cannot fail but loudly."""
         t0 = time.time()
-        if self.weights_discarded:
-            # asleep at level 2: map the weights' memory only and load into it; the KV cache stays asleep until the
-            # engine next runs (``add`` wakes it), by when the trainer has parked its state
+        if self.sleeping and torch.cuda.is_available():
+            # map the weights' memory only (empty after level 2; after level 1 the old weights, overwritten now) and
+            # load into it: a sleeping engine's weights are not mapped, never load into them. The KV cache stays
+            # asleep until the engine next runs (``add`` wakes it), by when a colocated trainer has parked its
+            # state (at a resume, or a sync mode step) or a leaving one has freed it (a placement change)
             self.llm.wake_up(tags=["weights"])
             self.weights_discarded = False
         else:
-            self.wake_up()  # a sleeping engine's weights are not mapped: never load into it
+            self.wake_up()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(

@@ -1,6 +1,7 @@
 """The engine's sleep levels as vLLM sees them on CUDA, with a recording stand-in for ``vllm.LLM`` (the CPU build
 has no sleep mode): a sleep before a weight sync drops the weights (level 2) and the reload maps only their
-memory, leaving the KV cache asleep until the engine next runs; any other sleep keeps the weights (level 1)."""
+memory, leaving the KV cache asleep until the engine next runs; any other sleep keeps the weights (level 1), and a
+reload into it still wakes only the weights."""
 
 import pytest
 import torch
@@ -46,9 +47,16 @@ def test_a_sleep_before_a_sync_drops_the_weights_and_the_reload_maps_only_theirs
     assert engine.llm.calls[-1] == ("wake_up", None) and not engine.sleeping
 
 
-def test_any_other_sleep_keeps_the_weights_and_a_reload_wakes_it_whole(engine):
+def test_any_other_sleep_keeps_the_weights_and_a_reload_still_leaves_the_cache_asleep(engine):
     engine.sleep()
     engine.sleep()  # asleep already: nothing more
     engine.load_weights(iter(()), version=3)
-    assert engine.llm.calls == [("sleep", 1), ("wake_up", None), ("reload_weights",), ("reset_prefix_cache",)]
-    assert not engine.sleeping
+    assert engine.llm.calls == [("sleep", 1), ("wake_up", ("weights",)), ("reload_weights",), ("reset_prefix_cache",)]
+    assert engine.sleeping
+    engine.wake_up()
+    assert engine.llm.calls[-1] == ("wake_up", None) and not engine.sleeping
+
+
+def test_an_awake_engine_reloads_without_waking_anything(engine):
+    engine.load_weights(iter(()), version=2)
+    assert engine.llm.calls == [("reload_weights",), ("reset_prefix_cache",)] and not engine.sleeping
