@@ -102,26 +102,49 @@ def check_memory(cfg: JobConfig, recipe, placement, where) -> None:
                           + (f" (and {len(plan.problems) - 1} more: see --dry-run)" if len(plan.problems) > 1 else ""))
 
 
-def check_device(cfg: JobConfig, recipe, where) -> None:
-    """A recipe that names CUDA runs on CUDA: no silent fall-back to CPU and gloo. And one GPU per rank, unless
-    placement.allow_shared_gpu says otherwise."""
+def visible_gpus() -> int:
+    """GPUs this process may use, counted without initializing CUDA (which would fix the visible devices before
+    ``pin_local_gpu`` chose them): CUDA_VISIBLE_DEVICES if set, else the /dev/nvidiaN devices."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([device for device in visible.split(",") if device.strip()])
+    return len([name for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit()]) if os.path.isdir("/dev") else 0
+
+
+def check_gpus(cfg: JobConfig, recipe, where) -> None:
+    """Before anything is read or fetched: a CUDA recipe needs a GPU on this node, and one per rank unless
+    placement.allow_shared_gpu says otherwise (counted without initializing CUDA; ``check_cuda`` asks torch
+    once the rank's device is pinned)."""
+    if recipe.device != "cuda":
+        return
+    gpus = visible_gpus()
+    if not gpus:
+        raise ConfigError(
+            f"{recipe.path}: [recipe] device = 'cuda', but this machine shows no GPU (no /dev/nvidiaN device, or an "
+            "empty CUDA_VISIBLE_DEVICES), and a GPU recipe does not fall back to CPU: run it on a GPU node, or pick a "
+            "CPU recipe such as model.recipe = 'tiny'"
+        )
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_ranks > gpus and not cfg.placement.allow_shared_gpu:
+        raise ConfigError(
+            f"{where('placement.allow_shared_gpu')}: {local_ranks} ranks on this node but {gpus} GPU(s): each "
+            "rank's engine and trainer plan on a whole device; start one rank per GPU (torchrun --nproc-per-node), "
+            "or set placement.allow_shared_gpu = true"
+        )
+
+
+def check_cuda(recipe) -> None:
+    """A recipe that names CUDA runs on CUDA: no silent fall-back to CPU and gloo. (After ``pin_local_gpu``:
+    asking torch initializes CUDA.)"""
     if recipe.device != "cuda":
         return
     import torch
 
     if not torch.cuda.is_available():
         raise ConfigError(
-            f"{recipe.path}: [recipe] device = 'cuda', but torch sees no usable CUDA device here "
+            f"{recipe.path}: [recipe] device = 'cuda', but torch sees no usable CUDA device on this GPU node "
             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}; check the driver and CUDA_VISIBLE_DEVICES), "
             "and a GPU recipe does not fall back to CPU: run it on a GPU node, or pick a CPU recipe such as model.recipe = 'tiny'"
-        )
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    visible = torch.cuda.device_count()
-    if local_ranks > visible and not cfg.placement.allow_shared_gpu:
-        raise ConfigError(
-            f"{where('placement.allow_shared_gpu')}: {local_ranks} ranks on this node but {visible} visible GPU(s): "
-            "each rank's engine and trainer plan on a whole device; start one rank per GPU (torchrun --nproc-per-node), "
-            "or set placement.allow_shared_gpu = true"
         )
 
 
@@ -300,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings = validate_recipe(cfg, recipe, placement, manager.where) + mode_warnings(cfg, manager.where)
         check_memory(cfg, recipe, placement, manager.where)
         if not manager.check_only:  # (--check also runs where the job is submitted, which may have no GPU)
-            check_device(cfg, recipe, manager.where)
+            check_gpus(cfg, recipe, manager.where)
         problems = check_inputs(cfg, recipe, manager.where)
     except (ConfigError, ValueError) as e:
         if int(os.environ.get("RANK", "0")) == 0:  # one line per run, not one per rank
@@ -312,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     pin_local_gpu(cfg.rollout.tensor_parallel_degree)
+    try:
+        check_cuda(recipe)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"reflow: config error: {e}", file=sys.stderr)
+        return 2
     import torch.distributed as dist
 
     from reflow.modes.registry import MODES
