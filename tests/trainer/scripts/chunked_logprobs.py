@@ -7,6 +7,7 @@ import json
 import sys
 
 import torch
+import torch.distributed as dist
 
 from reflow.config.job_config import JobConfig
 from reflow.distributed import build_trainer_layouts, init_distributed
@@ -47,3 +48,5 @@ report = {
 }
 with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
     json.dump(report, f)
+dist.barrier()
+dist.destroy_process_group()  # gloo's threads end here, not in the interpreter's exit (an abort there)
