@@ -31,10 +31,14 @@ def _offline() -> bool:
 
 
 def is_hub_id(value: str) -> bool:
-    """``org/name`` that is not an existing path (relative to the working directory or the repo root)."""
+    """``org/name`` that is not a path: neither it nor its first part exists (relative to the working directory
+    or the repo root), so that a mistyped ``outputs/run1`` is a missing folder, not a hub id."""
     from reflow.model.recipe import resolve_path
 
-    return bool(HUB_ID.match(value)) and not os.path.exists(value) and not os.path.exists(resolve_path(value))
+    if not HUB_ID.match(value):
+        return False
+    org = value.split("/", 1)[0]
+    return not any(os.path.exists(path) for path in (value, resolve_path(value), org, resolve_path(org)))
 
 
 def _snapshot(repo_id: str, repo_type: str, key: str, allow_patterns: list[str] | None = None) -> str:

@@ -96,3 +96,13 @@ def test_a_corrupt_checkpoint_is_one_line_naming_the_file(tmp_path, damage):
     assert proc.returncode == 2
     (line,) = proc.stderr.strip().splitlines()
     assert str(weights) in line and "not a readable safetensors file" in line, line
+
+
+def test_what_counts_as_a_hub_id():
+    from reflow.hub import is_dataset_spec, is_hub_id
+
+    assert is_hub_id("Qwen/Qwen3-8B") and is_dataset_spec("openai/gsm8k:train")
+    assert not is_hub_id("assets/tiny-qwen3")  # a local folder
+    assert not is_hub_id("assets/no-such-folder")  # a mistyped local path: its first part is a local folder
+    assert not is_hub_id("/checkpoints/Qwen3-8B") and not is_hub_id("Qwen3-8B") and not is_hub_id("a/b/c")
+    assert not is_dataset_spec("assets/data/chain_sum_train.jsonl") and not is_dataset_spec("openai/gsm8k")
