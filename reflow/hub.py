@@ -79,7 +79,7 @@ def resolve_model(value: str, key: str) -> str:
 def is_dataset_spec(value: str) -> bool:
     """``org/name:split``, not an existing file."""
     repo, _, split = value.rpartition(":")
-    return bool(split) and bool(HUB_ID.match(repo)) and is_hub_id(repo)
+    return bool(split) and is_hub_id(repo)
 
 
 def dataset_files(value: str, key: str) -> list[str]:
@@ -90,8 +90,8 @@ def dataset_files(value: str, key: str) -> list[str]:
     found = []
     for folder, _, names in os.walk(root):
         for name in names:
-            stem = name[: -len(next((ext for ext in DATA_EXTENSIONS if name.endswith(ext)), ""))] if name.endswith(DATA_EXTENSIONS) else None
-            if stem is not None and named.match(stem):
+            ext = next((ext for ext in DATA_EXTENSIONS if name.endswith(ext)), None)
+            if ext is not None and named.match(name[: -len(ext)]):
                 found.append(os.path.join(folder, name))
     if not found:
         raise ValueError(f"{key}: dataset {repo!r} has no data files for split {split!r} (looked for {split}-*.parquet, "

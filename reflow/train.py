@@ -28,17 +28,22 @@ import time
 from reflow.config import ConfigError, ConfigManager, JobConfig, format_config
 from reflow.config.validate import mode_warnings, parse_schedule, validate, validate_recipe, validate_world
 from reflow.distributed.placement import feasible_placements
+from reflow.memory_plan import memory_plan
 from reflow.model.recipe import load_recipe, resolve_path
 
 logger = logging.getLogger("reflow")
+
+
+def hf_checkpoint_key(cfg: JobConfig, recipe, where=lambda key: "config") -> str:
+    """Where the checkpoint is named, for its errors: the config's model.hf_checkpoint, else the recipe's."""
+    return f"{where('model.hf_checkpoint')}: model.hf_checkpoint" if cfg.model.hf_checkpoint else f"{recipe.path}: [recipe] hf_checkpoint"
 
 
 def resolve_hf_dir(cfg: JobConfig, recipe, where=lambda key: "config") -> str:
     """The checkpoint folder: a local path, or a hub id's snapshot in the Hugging Face cache (``reflow.hub``)."""
     from reflow.hub import resolve_model
 
-    key = f"{where('model.hf_checkpoint')}: model.hf_checkpoint" if cfg.model.hf_checkpoint else f"{recipe.path}: [recipe] hf_checkpoint"
-    return resolve_model(cfg.model.hf_checkpoint or recipe.hf_checkpoint, key)
+    return resolve_model(cfg.model.hf_checkpoint or recipe.hf_checkpoint, hf_checkpoint_key(cfg, recipe, where))
 
 
 def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
@@ -59,13 +64,14 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
         raise ConfigError(f"{recipe.path}: [recipe] num_params = {recipe.num_params}, but the model has {n}")
     from reflow.hub import is_hub_id
 
-    named = cfg.model.hf_checkpoint or recipe.hf_checkpoint
-    hf_dir = named if is_hub_id(named) else resolve_path(named)  # (a dry run downloads nothing)
-    if is_hub_id(named):
-        warnings.append(f"checkpoint {named} is a Hugging Face hub id: fetched into the hub cache at start-up")
-    elif not os.path.isdir(hf_dir):
-        warnings.append(f"checkpoint folder {hf_dir} not found on this machine (needed to train)")
-    plan = plan_memory(cfg, recipe, placement)
+    hf_dir = cfg.model.hf_checkpoint or recipe.hf_checkpoint
+    if is_hub_id(hf_dir):  # (a dry run downloads nothing)
+        warnings.append(f"checkpoint {hf_dir} is a Hugging Face hub id: fetched into the hub cache at start-up")
+    else:
+        hf_dir = resolve_path(hf_dir)
+        if not os.path.isdir(hf_dir):
+            warnings.append(f"checkpoint folder {hf_dir} not found on this machine (needed to train)")
+    plan = memory_plan(cfg, recipe, placement)
     warnings += [f"memory: {problem}" for problem in plan.problems]
     print(format_config(cfg))
     print(plan.format())
@@ -88,15 +94,9 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
     return 0
 
 
-def plan_memory(cfg: JobConfig, recipe, placement):
-    from reflow.memory_plan import memory_plan
-
-    return memory_plan(cfg, recipe, placement)
-
-
 def check_memory(cfg: JobConfig, recipe, placement, where) -> None:
     """Refuse a run whose memory plan does not fit the recipe's device: one line, the term and the knob."""
-    plan = plan_memory(cfg, recipe, placement)
+    plan = memory_plan(cfg, recipe, placement)
     if plan.problems:
         raise ConfigError(f"{where('placement')}: with {recipe.path} on {placement.name}, {plan.problems[0]}"
                           + (f" (and {len(plan.problems) - 1} more: see --dry-run)" if len(plan.problems) > 1 else ""))
@@ -183,8 +183,8 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
     from reflow.tasks import build_task, load_problems
     from reflow.trainer.hf_io import check_hf_dir
 
-    key = f"{where('model.hf_checkpoint')}: model.hf_checkpoint" if cfg.model.hf_checkpoint else f"{recipe.path}: [recipe] hf_checkpoint"
-    check_hf_dir(resolve_hf_dir(cfg, recipe, where), key)
+    hf_dir = resolve_hf_dir(cfg, recipe, where)
+    check_hf_dir(hf_dir, hf_checkpoint_key(cfg, recipe, where))
     build_task(cfg.task)
     train_problems = load_problems(resolve_path(cfg.task.train_file), f"{where('task.train_file')}: task.train_file")
     eval_problems = load_problems(resolve_path(cfg.task.eval_file), f"{where('task.eval_file')}: task.eval_file")
@@ -192,7 +192,6 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
     if cfg.task.chat or chat_rows is not None:
         from transformers import AutoTokenizer
 
-        hf_dir = resolve_hf_dir(cfg, recipe)
         if not AutoTokenizer.from_pretrained(hf_dir).chat_template:
             why = f"{where('task.chat')}: task.chat = true" if cfg.task.chat else f"row {chat_rows.uid} of the task data is chat messages"
             raise ValueError(f"{why}, but the tokenizer in {hf_dir} has no chat template")

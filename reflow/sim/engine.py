@@ -220,11 +220,10 @@ class SimEngine:
             remaining = seq.target_tokens - seq.generated
             if remaining < steps:
                 steps = remaining
-            if seq.turn_points:
-                for point in seq.turn_points:
-                    if point > seq.generated:
-                        steps = min(steps, point - seq.generated)
-                        break
+            for point in seq.turn_points:  # (empty without tool turns)
+                if point > seq.generated:
+                    steps = min(steps, point - seq.generated)
+                    break
             prefill += seq.needs_prefill
             context += seq.prompt_tokens + seq.generated
         longest = max_steps
