@@ -18,7 +18,7 @@ and AdamW state; ``training.param_dtype`` is what it gathers in, p bytes a value
   parameter shards          4 N / S
   gradient shards           4 N / S
   AdamW moments             8 N / S              (exp_avg and exp_avg_sq)
-  reference shards          4 N / S              (only with ``training.kl_coef`` > 0)
+  reference shards          4 N / S              (only with ``kl.coef`` > 0)
   gathered parameters       p (R + 2 L) x 2      the root unit R (embeddings, head and final norm: it stays
                                                  gathered from the forward to the end of the backward) and
                                                  two transformer blocks of L parameters (the one computing,
@@ -29,9 +29,10 @@ and AdamW state; ``training.param_dtype`` is what it gathers in, p bytes a value
                             a = p (3 dim + 3 q + 3 kv + 4 hidden) bytes per token and layer (the norms'
                             inputs, q/k/v with their norms, the attention output, the MLP's gate, up, its
                             activation and their product; q = heads x head_dim, kv = kv_heads x head_dim)
-  log-prob workspace        t x dim x p (the final hidden states) + c x vocab x (p + 12): one chunk of c =
+  log-prob workspace        t x dim x p (the final hidden states) + c x vocab x (p + 20): one chunk of c =
                             ``training.logprob_chunk_tokens`` tokens' logits, their float32 copy, the
-                            log-softmax's exponentials and, in the backward pass, their gradient
+                            log-softmax's exponentials and, in the backward pass, their gradient; the
+                            entropy's softmax and its product with the logits (logged every step)
 
 The engine's terms, per engine rank, with tensor-parallel degree T (bf16 weights, 2 bytes a value):
   weights                   2 N / T
@@ -176,12 +177,12 @@ def trainer_terms(cfg, arch, num_params: int, shard_degree: int) -> list[Term]:
         Term("gradient shards", int(4 * per_shard), "placement.trainer_shard_degree"),
         Term("AdamW moments", int(8 * per_shard), "placement.trainer_shard_degree"),
     ]
-    if training.kl_coef > 0:
-        terms.append(Term("reference shards", int(4 * per_shard), "training.kl_coef"))
+    if cfg.kl.coef > 0:
+        terms.append(Term("reference shards", int(4 * per_shard), "kl.coef"))
     terms += [
         Term("gathered parameters", int(2 * param * (root + 2 * block)), "training.param_dtype"),
         Term("activations", int(activations), "training.micro_batch_size / training.activation_checkpointing"),
-        Term("log-prob workspace", int(tokens * arch.dim * param + chunk * arch.vocab_size * (param + 12)),
+        Term("log-prob workspace", int(tokens * arch.dim * param + chunk * arch.vocab_size * (param + 20)),
              "training.logprob_chunk_tokens"),
     ]
     return terms

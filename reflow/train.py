@@ -180,12 +180,16 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
     tokenizer), the task and its data files (every row), and the checkpoint a resume would load. Returns the
     train and eval problems."""
     from reflow.checkpoint import CheckpointManager
+    from reflow.rewards import RewardMix
     from reflow.tasks import build_task, load_problems
     from reflow.trainer.hf_io import check_hf_dir
 
     hf_dir = resolve_hf_dir(cfg, recipe, where)
     check_hf_dir(hf_dir, hf_checkpoint_key(cfg, recipe, where))
-    build_task(cfg.task)
+    try:
+        RewardMix.build(build_task(cfg.task), cfg.reward, cfg.rollout.max_new_tokens)
+    except ValueError as error:
+        raise ValueError(f"{where('reward.functions')}: {error}") from None
     train_problems = load_problems(resolve_path(cfg.task.train_file), f"{where('task.train_file')}: task.train_file")
     eval_problems = load_problems(resolve_path(cfg.task.eval_file), f"{where('task.eval_file')}: task.eval_file")
     chat_rows = next((p for p in train_problems + eval_problems if p.messages is not None), None)
@@ -211,6 +215,7 @@ def build_components(
     from reflow.distributed import build_trainer_layouts, init_distributed
     from reflow.metrics import MetricsLogger
     from reflow.modes.base import Components
+    from reflow.rewards import RewardMix
     from reflow.rollout.engine import RolloutEngine
     from reflow.rollout.tokenizer import PromptTokenizer
     from reflow.rollout.turns import TurnDriver
@@ -218,9 +223,10 @@ def build_components(
     from reflow.trainer.policy import PolicyTrainer
     from reflow.weight_sync import WeightSync, build_sync_plan
 
-    # 1. the inputs ``check_inputs`` read
+    # 1. the inputs ``check_inputs`` read, and the reward of the [reward] section
     hf_dir = resolve_hf_dir(cfg, recipe)
     task = build_task(cfg.task)
+    rewards = RewardMix.build(task, cfg.reward, cfg.rollout.max_new_tokens)
     train_problems, eval_problems = problems
     # 2. distributed
     rank, world, device = init_distributed(cfg.job.collective_timeout_s)
@@ -293,9 +299,10 @@ def build_components(
         trainer=trainer,
         trainer_group=trainer_group,
         engine=engine,
-        turns=TurnDriver(engine, task, tokenizer, cfg.task.tool_workers),
+        turns=TurnDriver(engine, task, tokenizer, cfg.task.tool_workers, rewards),
         weight_sync=weight_sync,
         task=task,
+        rewards=rewards,
         tokenizer=tokenizer,
         train_problems=train_problems,
         eval_problems=eval_problems,

@@ -58,6 +58,9 @@ class Sample:
     newest token's version stands in)."""
     advantage: float = 0.0
     group_reward_mean: float = 0.0
+    reward_parts: dict[str, float] | None = None
+    """The reward's parts before their weights (``reflow.rewards``): each function's value, and the overlong
+    shaping; None in a sample scored by the task alone."""
     use_count: int = 0
     inserted_at: float = field(default_factory=time.time)
 

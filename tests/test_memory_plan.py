@@ -31,14 +31,14 @@ def test_the_qwen3_8b_plan_term_by_term():
     # a block: (N - root) / 36 = 192,946,432
     # a token's saved tensors in a block: 2 bytes x (3 x 4096 + 3 x 4096 + 3 x 1024 + 4 x 12288) = 153,600
     # activations: 40960 tokens x (36 x 2 x 4096 + 153,600) = 18,371,051,520
-    # log-prob workspace: 40960 x 4096 x 2 + 1024 x 151936 x (2 + 12) = 335,544,320 + 2,178,154,496
+    # log-prob workspace: 40960 x 4096 x 2 + 1024 x 151936 x (2 + 20) = 335,544,320 + 3,422,814,208
     assert {term.name: term.bytes for term in train.terms} == {
         "parameter shards": 4_095_367_680,
         "gradient shards": 4_095_367_680,
         "AdamW moments": 8_190_735_360,
         "gathered parameters": 6_522_226_688,  # 2 x 2 x (1,244,663,808 + 2 x 192,946,432)
         "activations": 18_371_051_520,
-        "log-prob workspace": 2_513_698_816,
+        "log-prob workspace": 3_758_358_528,
         "engine asleep": GIB,
     }
     # the engine: 0.6 x 80 GiB = 51,539,607,552; bf16 weights 2 N = 16,381,470,720; 2 GiB reserve; the KV cache the
@@ -63,8 +63,8 @@ def test_chunked_log_probs_and_checkpointing_shrink_their_terms():
     _, chunked = _plan("train_configs/qwen3_8b.toml", world=8)
     _, whole = _plan("train_configs/qwen3_8b.toml", "--training.logprob_chunk_tokens=0", world=8)
     _, no_ac = _plan("train_configs/qwen3_8b.toml", "--training.activation_checkpointing=none", world=8)
-    # the whole micro-batch's logits: 40960 x 151936 x 14 bytes, 81 GiB, against one chunk's 2 GiB
-    assert term(whole, "log-prob workspace") - term(chunked, "log-prob workspace") == (40960 - 1024) * 151936 * 14
+    # the whole micro-batch's logits: 40960 x 151936 x 22 bytes, 128 GiB, against one chunk's 3.2 GiB
+    assert term(whole, "log-prob workspace") - term(chunked, "log-prob workspace") == (40960 - 1024) * 151936 * 22
     assert not whole.fits and "log-prob workspace" in whole.problems[0] and "training.logprob_chunk_tokens" in whole.problems[0]
     assert term(no_ac, "activations") == 40960 * 36 * 153_600
     assert not no_ac.fits and "training.activation_checkpointing" in no_ac.problems[0]

@@ -28,7 +28,7 @@ def test_sync_mode_trains_checkpoints_resumes_and_exports(tmp_path):
         "--metrics.eval_interval=2", "--metrics.eval_num_prompts=8",
     ]
     # the first run also exercises the frozen reference policy (KL penalty)
-    run_torchrun(2, common + ["--training.steps=2", "--training.kl_coef=0.05"])
+    run_torchrun(2, common + ["--training.steps=2", "--kl.coef=0.05"])
     rows = _rows(dump)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -115,13 +115,14 @@ class TrainingSection:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     max_norm: float = 1.0
-    """Gradient clipping max norm (<= 0 disables clipping)."""
-    clip_eps: float = limited(0.2, ge=0, lt=1)
-    """PPO clip range epsilon (ratio clipped to [1-eps, 1+eps])."""
-    clip_eps_high: float = 0.0
-    """Upper clip epsilon if > 0 (asymmetric 'clip-higher'); 0 means use clip_eps."""
-    kl_coef: float = limited(0.0, ge=0)
-    """Coefficient of the k3 KL penalty to the frozen reference policy (0 disables the reference)."""
+    """Gradient clipping max norm (<= 0 disables clipping); the norm is logged before (grad_norm) and after
+    (grad_norm_clipped) the clip."""
+    warmup_steps: int = limited(0, ge=0)
+    """Trainer steps of linear learning-rate warmup from lr / warmup updates to lr (``reflow.algorithms.schedules``)."""
+    lr_decay: str = limited("constant", choices=("constant", "linear", "cosine"))
+    """After the warmup: 'constant', or 'linear' or 'cosine' decay to lr * min_lr_ratio at training.steps."""
+    min_lr_ratio: float = limited(0.0, ge=0, le=1)
+    """The decay's floor, as a fraction of lr."""
     ppo_epochs: int = limited(1, ge=1)
     """Passes over each batch."""
     num_minibatches: int = limited(1, ge=1)
@@ -132,12 +133,6 @@ class TrainingSection:
     """Tokens whose log-probs are computed at once: the output projection and log-softmax run a chunk at a
     time (recomputed in the backward pass), so the peak is chunk x vocabulary, not micro-batch x sequence x
     vocabulary (with Qwen3's 152k vocabulary, 1024 tokens are 0.6 GiB in fp32). 0: the whole micro-batch."""
-    advantage_eps: float = 1e-6
-    """Added to the group reward std when normalizing advantages."""
-    normalize_adv_std: bool = True
-    """Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style centring."""
-    is_truncation: float = 2.0
-    """Truncated importance weight cap against vLLM behavior log-probs (<= 0 disables the correction)."""
     max_nonfinite_steps: int = limited(3, ge=0)
     """An optimizer update whose loss or gradients are NaN or inf is skipped (and logged: skipped_updates); after
     this many steps in a row with a skipped update the run stops with an error (0: never stop)."""
@@ -161,6 +156,116 @@ class TrainingSection:
         """(field, what is wrong) for combinations within the section."""
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             return [("betas", f"must be two numbers in [0, 1), got {self.betas}")]
+        return []
+
+
+@dataclass
+class AdvantageSection:
+    """How a sample's advantage comes from the rewards (``reflow.algorithms.advantages``). A replayed sample keeps
+    the advantage computed with the group (and, for REINFORCE++, the batch) it was generated in."""
+
+    estimator: str = limited("grpo", choices=("grpo", "dr_grpo", "rloo", "reinforce_pp"))
+    """'grpo' (group mean and std), 'dr_grpo' (group mean, no std), 'rloo' (leave-one-out group mean) or
+    'reinforce_pp' (normalized over the step's fresh samples on every trainer rank)."""
+    eps: float = limited(1e-6, gt=0)
+    """Added to the std of 'grpo' and 'reinforce_pp'."""
+    group_baseline: bool = True
+    """'reinforce_pp': subtract the group mean before the batch normalization (REINFORCE++-baseline); false: the
+    raw rewards are normalized over the batch."""
+
+
+@dataclass
+class LossSection:
+    """The policy loss and its aggregation (``reflow.algorithms.policy_losses``, ``.aggregation``)."""
+
+    policy: str = limited("ppo_clip", choices=("ppo_clip", "dual_clip", "gspo", "cispo"))
+    """'ppo_clip' (asymmetric bounds), 'dual_clip' (also bounded for negative advantages), 'gspo' (sequence-level,
+    length-normalized ratio) or 'cispo' (clipped, detached importance weight on the log-prob)."""
+    clip_low: float = limited(0.2, ge=0, lt=1)
+    """PPO and dual-clip: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+    clip_high: float = limited(0.0, ge=0)
+    """Upper clip epsilon if > 0 ('clip-higher': DAPO uses 0.28); 0: clip_low."""
+    dual_clip_c: float = limited(3.0, gt=1)
+    """'dual_clip': the bound c of the objective for negative advantages (c * A)."""
+    gspo_clip_low: float = limited(3e-4, ge=0, lt=1)
+    """'gspo': the sequence ratio's clip range [1 - gspo_clip_low, 1 + gspo_clip_high] (the paper's 3e-4, 4e-4)."""
+    gspo_clip_high: float = limited(4e-4, ge=0)
+    cispo_clip_low: float = limited(1.0, ge=0)
+    """'cispo': the importance weight is clipped to [max(1 - cispo_clip_low, 0), 1 + cispo_clip_high] (1: no lower
+    bound, as in MiniMax-M1)."""
+    cispo_clip_high: float = limited(4.0, ge=0)
+    aggregation: str = limited("token_mean", choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"))
+    """How per-token losses become one: 'token_mean' over the batch's tokens, 'seq_mean_token_mean' (the original
+    GRPO), 'seq_mean_token_sum', or 'token_sum_norm' (Dr. GRPO: token sums over a constant per sequence)."""
+    norm_tokens: int = limited(0, ge=0)
+    """'token_sum_norm': the constant each sequence's token sum is divided by; 0: rollout.max_new_tokens."""
+    entropy_coef: float = limited(0.0, ge=0)
+    """Entropy bonus: coef * entropy is subtracted from each token's loss (the entropy is logged either way)."""
+    mask_truncated: bool = False
+    """Overlong filtering (DAPO): samples cut at rollout.max_new_tokens leave the loss."""
+
+
+@dataclass
+class KLSection:
+    """The KL penalty to the frozen reference policy (``reflow.algorithms.kl``)."""
+
+    coef: float = limited(0.0, ge=0)
+    """beta; 0: no reference model and no penalty."""
+    estimator: str = limited("k3", choices=("k1", "k2", "k3"))
+    """'k1' (log-ratio), 'k2' (half its square) or 'k3' (GRPO's, exp(d) - d - 1)."""
+    placement: str = limited("loss", choices=("loss", "reward"))
+    """'loss': beta * k per token in the loss; 'reward': -beta * k per token as a reward, its return-to-go taken
+    from each token's advantage (detached)."""
+
+
+@dataclass
+class OffPolicySection:
+    """The correction against the engine's behaviour log-probs (``reflow.algorithms.off_policy``): staleness and
+    engine mismatch. The mismatch is logged every step (behavior_kl, behavior_k3_kl, max_abs_logprob_diff)."""
+
+    correction: str = limited("token_tis", choices=("token_tis", "sequence_tis", "token_mask", "sequence_mask", "none"))
+    """'token_tis' / 'sequence_tis': truncated importance weight per token / of the sequence; 'token_mask' /
+    'sequence_mask': tokens / sequences whose ratio leaves [band_low, band_high] are dropped from the loss;
+    'none'."""
+    cap: float = limited(2.0, gt=0)
+    """The truncated corrections' cap C."""
+    band_low: float = limited(0.5, gt=0)
+    """The masking corrections keep ratios in [band_low, band_high]."""
+    band_high: float = limited(2.0, gt=0)
+
+    def rules(self) -> list[tuple[str, str]]:
+        if self.band_low >= self.band_high:
+            return [("band_low", f"({self.band_low}) must be < off_policy.band_high ({self.band_high})")]
+        if not self.band_low <= 1.0 <= self.band_high:
+            return [("band_low", f"[{self.band_low}, {self.band_high}] must contain 1 (an on-policy token is kept)")]
+        return []
+
+
+@dataclass
+class RewardSection:
+    """What a sample's reward is made of (``reflow.rewards``): the task's reward functions, weighted and each
+    logged (reward_<name>_mean), DAPO's overlong shaping, and DAPO's dynamic sampling."""
+
+    functions: list[str] = field(default_factory=lambda: ["task"])
+    """Reward functions of the task, by name: 'task' (its reward), or one the task names (chain_sum: 'answer',
+    'steps', 'format')."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per function (empty: 1 each); the reward is their weighted sum."""
+    overlong_buffer: int = limited(0, ge=0)
+    """DAPO's soft overlong punishment: a response longer than rollout.max_new_tokens - overlong_buffer model
+    tokens loses reward linearly, overlong_penalty at the cap (0: off)."""
+    overlong_penalty: float = limited(1.0, ge=0)
+    """The reward lost at the cap."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal is dropped before the replay buffer (it
+    carries no gradient), and generation goes on until the batch's fresh share is filled (logged:
+    dynamic_sampling_filtered_frac)."""
+
+    def rules(self) -> list[tuple[str, str]]:
+        if not self.functions:
+            return [("functions", "must name at least one reward function")]
+        if self.weights and len(self.weights) != len(self.functions):
+            return [("weights", f"has {len(self.weights)} entries for {len(self.functions)} reward.functions")]
         return []
 
 
@@ -391,6 +496,11 @@ class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
     training: TrainingSection = field(default_factory=TrainingSection)
+    advantage: AdvantageSection = field(default_factory=AdvantageSection)
+    loss: LossSection = field(default_factory=LossSection)
+    kl: KLSection = field(default_factory=KLSection)
+    off_policy: OffPolicySection = field(default_factory=OffPolicySection)
+    reward: RewardSection = field(default_factory=RewardSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
     weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)

@@ -99,7 +99,20 @@ def _coerce(value: Any, typ: Any, where: str, from_cli: bool) -> Any:
     return value
 
 
+MOVED = {
+    "training.clip_eps": "loss.clip_low",
+    "training.clip_eps_high": "loss.clip_high",
+    "training.kl_coef": "kl.coef",
+    "training.is_truncation": "off_policy.cap (off_policy.correction = 'none' turns the correction off)",
+    "training.normalize_adv_std": "advantage.estimator ('grpo' divides by the group std, 'dr_grpo' does not)",
+    "training.advantage_eps": "advantage.eps",
+}
+"""Keys that moved to the algorithm sections: an old config gets one line saying where."""
+
+
 def _set(cfg: JobConfig, section: str, key: str, value: Any, source: str, from_cli: bool = False) -> None:
+    if f"{section}.{key}" in MOVED:
+        raise ConfigError(f"{source}: '{section}.{key}' moved: use {MOVED[f'{section}.{key}']}")
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     if section not in sections:
         raise ConfigError(f"{source}: unknown section [{section}] (known: {', '.join(sections)})")

@@ -31,12 +31,14 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         )
     if t.mode == "sync" and cfg.weight_sync.interval != 1:
         fail("weight_sync.interval", f"must be 1 in 'sync' mode (on-policy), got {cfg.weight_sync.interval}")
-    if r.top_p < 1 and t.is_truncation > 0:
+    if r.top_p < 1 and cfg.off_policy.correction != "none":
         fail(
             "rollout.top_p",
             f"= {r.top_p} renormalizes vLLM's sampling distribution, which biases the importance weights; "
-            "use 1.0 or set training.is_truncation = 0",
+            "use 1.0 or set off_policy.correction = 'none'",
         )
+    if cfg.kl.placement == "reward" and cfg.kl.coef == 0:
+        fail("kl.placement", "= 'reward' needs kl.coef > 0")
     if t.mode != "sync" and cfg.metrics.eval_interval > 0:
         from reflow.config.mode_settings import resolve_settings
 

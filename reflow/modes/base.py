@@ -9,12 +9,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from reflow.algorithms.settings import advantage_estimator
 from reflow.checkpoint import CheckpointManager
 from reflow.config.job_config import JobConfig
 from reflow.dataplane.collectives import reduce_stats
 from reflow.distributed.placement import Placement
 from reflow.metrics.logger import MetricsLogger
 from reflow.modes.prompts import PromptStream
+from reflow.rewards import RewardMix
 from reflow.rollout.engine import RolloutEngine
 from reflow.rollout.groups import evaluate_share
 from reflow.rollout.tokenizer import PromptTokenizer
@@ -43,6 +45,8 @@ class Components:
     weight_sync: WeightSync
     """The weight sync of the starting placement."""
     task: Task
+    rewards: RewardMix
+    """The run's reward: the [reward] section's weighted functions and shaping (the evaluation uses the task's)."""
     tokenizer: PromptTokenizer
     train_problems: list[Problem]
     eval_problems: list[Problem]
@@ -215,6 +219,26 @@ class ModeBase:
             return signal_name or "a stop signal on another rank"
         return None
 
+    # ---- advantages -------------------------------------------------------------
+
+    def first_use_advantages(self, fresh: list[Sample]) -> None:
+        """The advantage estimator's batch stage (REINFORCE++: normalized over the step's fresh samples on every
+        trainer rank), applied to samples trained for the first time; a replayed sample keeps the advantage it
+        was first trained with. Every trainer rank calls it at the same point (one all-reduce)."""
+        estimator = advantage_estimator(self.parts.cfg)
+        if not estimator.normalizes_batch:
+            return
+        values = [s.advantage for s in fresh]
+        summed = reduce_stats(
+            {"count": len(values), "sum": sum(values), "squares": sum(v * v for v in values)}, self.trainer_group
+        )
+        count = max(summed["count"], 1.0)
+        mean = summed["sum"] / count
+        std = max(summed["squares"] / count - mean * mean, 0.0) ** 0.5
+        normalized = estimator.batch_stage(torch.tensor(values, dtype=torch.float64), mean, std).tolist() if values else []
+        for sample, value in zip(fresh, normalized):
+            sample.advantage = value
+
     # ---- metrics ----------------------------------------------------------------
 
     def step_metrics(
@@ -247,7 +271,9 @@ class ModeBase:
                 raise RuntimeError(f"sample {s.uid} trained at staleness {age}, outside [0, {self.max_staleness}]")
             staleness[age] += 1
         rewards = [s.reward for s in samples]
+        part_names = self.parts.rewards.part_names
         summed = reduce_stats({
+            **{f"reward_{name}": sum((s.reward_parts or {}).get(name, 0.0) for s in samples) for name in part_names},
             "reward": sum(rewards),
             "reward_squared": sum(r * r for r in rewards),
             "samples": len(samples),
@@ -293,13 +319,8 @@ class ModeBase:
                 max(0.0, 1.0 - summed["rollout_busy_s"] / (dist.get_world_size(self.trainer_group) * max(step_time, 1e-9)))
                 if engine_window else 0.0
             ),
-            "grad_norm": stats.grad_norm,
-            "clip_fraction": stats.clip_fraction,
-            "is_weight_mean": stats.is_weight_mean,
-            "kl_ref": stats.kl_ref,
-            "behavior_logprob_gap": stats.behavior_kl,
-            "behavior_logprob_gap_max": stats.max_abs_logprob_diff,
-            "skipped_updates": stats.skipped_updates,
+            **stats.as_row(),
+            **{f"reward_{name}_mean": summed[f"reward_{name}"] / n for name in part_names},
             **{key: summed[key] if key == "rollout_busy_s" else int(summed[key]) for key in ENGINE_WINDOW_KEYS if key in summed},
         }
 

@@ -23,7 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from reflow.algorithms.grpo import replay_gradient_share
+from reflow.algorithms.aggregation import replay_gradient_share
+from reflow.algorithms.settings import advantage_estimator
 from reflow.config.mode_settings import resolve_settings
 from reflow.dataplane import ControlChannel, Inbox, Outbox
 from reflow.dataplane.collectives import GlooReadinessExchange, reduce_stats
@@ -264,9 +265,10 @@ class DecoupledMode(ModeBase):
         # 2. plan: fresh samples earliest deadline first, replayed ones up to sigma, each with its loss weight;
         #    model tokens older than max_head_lag versions leave the loss
         plan = self.shard.plan(self.version)
+        self.first_use_advantages(plan.fresh)  # REINFORCE++'s batch stage; a replayed sample keeps its advantage
         trained = plan.fresh + plan.replayed
         weights = [1.0] * len(plan.fresh) + [self.settings.tau] * len(plan.replayed)
-        batch = to_batch(trained, parts.tokenizer.pad_id, weights)
+        batch = to_batch(trained, parts.tokenizer.pad_id, weights, parts.cfg.loss.mask_truncated)
         model_tokens = batch.num_tokens()
         masked = 0
         if self.settings.max_head_lag is not None:
@@ -372,7 +374,7 @@ class DecoupledMode(ModeBase):
             cfg, parts.engine, parts.turns,
             PromptGroups(self.stream, self.shares[index], parts.task, parts.tokenizer, training.group_size,
                          cfg.rollout.max_new_tokens, cfg.job.seed),
-            TaskScorer(parts.task, parts.tokenizer, training.normalize_adv_std, training.advantage_eps),
+            TaskScorer(parts.task, parts.tokenizer, advantage_estimator(cfg), parts.rewards),
             self.weight_sync, self.control, self.outbox, budget, index, self.trainer_ranks,
             evaluate=evaluate, evaluate_first=self._evaluates_start, carried=self.carried,
         )

@@ -7,7 +7,7 @@ Every rank is both a trainer shard and a rollout engine. Each step:
   2. rollout    generate to completion with the current weights (version v), with a multi-turn task's
                 environment answering between model turns; on CUDA the trainer's
                 state waits in pinned host memory meanwhile (training.offload_while_generating)
-  3. score      task reward, group-normalized advantages
+  3. score      the run's reward (reflow.rewards), the advantage estimator's group and batch stages
   4. train      one trainer step (FSDP2 across all ranks) on the local samples
   5. sync       gather on the trainer mesh -> vLLM reload_weights (version v+1)
 
@@ -21,6 +21,7 @@ import time
 
 import torch.distributed as dist
 
+from reflow.algorithms.settings import advantage_estimator
 from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.rollout.groups import make_group_requests
 from reflow.rollout.scoring import assign_advantages, score
@@ -68,9 +69,10 @@ class SyncMode(ModeBase):
             # not a slow first collective of the train step (rows and the simulator's fit read them apart)
             dist.barrier()
         # 3. score
-        samples = score(finished, parts.task, parts.tokenizer)
-        assign_advantages(samples, training.normalize_adv_std, training.advantage_eps)
-        batch = to_batch(samples, parts.tokenizer.pad_id)
+        samples = score(finished, parts.task, parts.tokenizer, parts.rewards)
+        assign_advantages(samples, advantage_estimator(parts.cfg))
+        self.first_use_advantages(samples)
+        batch = to_batch(samples, parts.tokenizer.pad_id, mask_truncated=parts.cfg.loss.mask_truncated)
         # 4. train (the parked state comes back first)
         with timer("train"):
             stats = parts.trainer.train_step(batch)

@@ -32,7 +32,9 @@ class Request:
     stop_reason: str | int | None = None
     """The stop string (or token) that ended the latest model turn; None at EOS or the length limit."""
     reward: float | None = None
-    """Set by ``reflow.rollout.turns`` when it scored the finished trajectory (multi-turn tasks)."""
+    """Set by ``reflow.rollout.scoring.trajectory_reward`` (for a multi-turn task on the tool pool)."""
+    reward_parts: dict[str, float] | None = None
+    """Each reward function's value (and the overlong shaping), when the run's reward is a mix."""
     tool_calls: int = 0
     tool_s: float = 0.0
     """Wall time the trajectory spent waiting on its environment, apart from engine time."""

@@ -1,7 +1,9 @@
-"""Scoring finished trajectories: the one reward path, and GRPO's group advantages.
+"""Scoring finished trajectories: the one reward path, and the advantage estimator's group stage.
 
-``trajectory_reward`` is the only place a task's reward is computed: ``reflow.rollout.turns`` calls it for a
-multi-turn trajectory (on its tool pool, when the trajectory ends), ``score`` for a single-turn one.
+``trajectory_reward`` is the only place a reward is computed: ``reflow.rollout.turns`` calls it for a
+multi-turn trajectory (on its tool pool, when the trajectory ends), ``score`` for a single-turn one. With a
+``RewardMix`` (``reflow.rewards``: the run's weighted reward functions and overlong shaping) it is the mix,
+its parts kept on the sample; without one (the held-out evaluation) the task's own reward.
 """
 
 from __future__ import annotations
@@ -10,23 +12,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reflow.algorithms.grpo import group_advantages
+from reflow.algorithms.advantages import AdvantageEstimator
 from reflow.tasks.base import Task
 from reflow.types import Sample
 
 if TYPE_CHECKING:
+    from reflow.rewards import RewardMix
     from reflow.rollout.request import Request
     from reflow.rollout.tokenizer import PromptTokenizer
 
 
-def trajectory_reward(task: Task, tok: "PromptTokenizer", req: "Request") -> float:
-    """The task's reward of a trajectory's transcript: its whole response, the environment's answers included."""
-    return task.reward(req.meta["problem"], tok.decode(req.output_ids))
+def trajectory_reward(task: Task, tok: "PromptTokenizer", req: "Request", rewards: "RewardMix | None" = None) -> None:
+    """Set ``req.reward`` (and ``req.reward_parts`` with a mix) from the trajectory's transcript: its whole
+    response, the environment's answers included."""
+    text = tok.decode(req.output_ids)
+    if rewards is None:
+        req.reward = task.reward(req.meta["problem"], text)
+    else:
+        req.reward, req.reward_parts = rewards.score(req.meta["problem"], text, len(req.logprobs))
 
 
-def score(requests: list[Request], task: Task, tok: PromptTokenizer) -> list[Sample]:
+def score(requests: list[Request], task: Task, tok: PromptTokenizer, rewards: "RewardMix | None" = None) -> list[Sample]:
     out = []
     for r in requests:
+        if r.reward is None:
+            trajectory_reward(task, tok, r, rewards)
         out.append(
             Sample(
                 uid=r.request_id,
@@ -36,7 +46,8 @@ def score(requests: list[Request], task: Task, tok: PromptTokenizer) -> list[Sam
                 output_ids=r.output_ids,
                 logprobs=r.logprobs,
                 versions=r.versions,
-                reward=r.reward if r.reward is not None else trajectory_reward(task, tok, r),
+                reward=r.reward,
+                reward_parts=r.reward_parts,
                 finish_reason=r.finish_reason,
                 model_spans=r.model_spans if task.environment is not None else None,
                 tool_calls=r.tool_calls,
@@ -47,25 +58,29 @@ def score(requests: list[Request], task: Task, tok: PromptTokenizer) -> list[Sam
 
 
 class TaskScorer:
-    """A finished group scored by the task's reward (``score``) with GRPO's advantages (a ``GroupScorer``)."""
+    """A finished group scored by the run's reward (``score``) with the estimator's group-stage advantages (a
+    ``GroupScorer``)."""
 
-    def __init__(self, task: Task, tokenizer: "PromptTokenizer", normalize_std: bool, eps: float):
-        self.task, self.tokenizer, self.normalize_std, self.eps = task, tokenizer, normalize_std, eps
+    def __init__(
+        self, task: Task, tokenizer: "PromptTokenizer", estimator: AdvantageEstimator, rewards: "RewardMix | None" = None
+    ):
+        self.task, self.tokenizer, self.estimator, self.rewards = task, tokenizer, estimator, rewards
 
     def score(self, members: "list[Request]") -> list[Sample]:
-        samples = score(members, self.task, self.tokenizer)
-        assign_advantages(samples, self.normalize_std, self.eps)
+        samples = score(members, self.task, self.tokenizer, self.rewards)
+        assign_advantages(samples, self.estimator)
         return samples
 
 
-def assign_advantages(samples: list[Sample], normalize_std: bool, eps: float) -> None:
-    """GRPO advantages within each group (a group's samples are all present); also each group's mean reward."""
+def assign_advantages(samples: list[Sample], estimator: AdvantageEstimator) -> None:
+    """The estimator's group stage within each group (a group's samples are all present); also each group's
+    mean reward. REINFORCE++'s batch stage follows on the trainer (``reflow.modes.base``)."""
     if not samples:
         return
     groups = {g: i for i, g in enumerate(dict.fromkeys(s.group_id for s in samples))}
     rewards = torch.tensor([s.reward for s in samples])
     gids = torch.tensor([groups[s.group_id] for s in samples])
-    adv = group_advantages(rewards, gids, normalize_std, eps)
+    adv = estimator.group_stage(rewards, gids)
     means = {g: rewards[gids == i].mean().item() for g, i in groups.items()}
     for s, a in zip(samples, adv.tolist()):
         s.advantage = a

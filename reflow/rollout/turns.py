@@ -37,15 +37,22 @@ from reflow.rollout.scoring import trajectory_reward
 from reflow.tasks.base import Task
 
 if TYPE_CHECKING:
+    from reflow.rewards import RewardMix
     from reflow.rollout.tokenizer import PromptTokenizer
     from reflow.types import WorkerStats
 
 
 class TurnDriver:
-    def __init__(self, engine: Engine, task: Task | None, tokenizer: "PromptTokenizer | None", workers: int = 8):
-        """``task`` None: single-turn requests only (the simulator, whose engine models tool turns itself)."""
+    def __init__(
+        self, engine: Engine, task: Task | None, tokenizer: "PromptTokenizer | None", workers: int = 8,
+        rewards: "RewardMix | None" = None,
+    ):
+        """``task`` None: single-turn requests only (the simulator, whose engine models tool turns itself).
+        ``rewards``: the run's reward mix a finished multi-turn trajectory is scored with (None: the task's own
+        reward, as the held-out evaluation scores)."""
         self.engine = engine
         self.task = task
+        self.rewards = rewards
         self.environment = task.environment if task is not None else None
         self.tokenizer = tokenizer
         self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool") if self.environment else None
@@ -156,7 +163,7 @@ class TurnDriver:
         self.scoring[self.pool.submit(self._score, req)] = req
 
     def _score(self, req: Request) -> None:
-        req.reward = trajectory_reward(self.task, self.tokenizer, req)
+        trajectory_reward(self.task, self.tokenizer, req, self.rewards)
 
     def _calls_tool(self, req: Request) -> bool:
         env = self.environment

@@ -89,6 +89,30 @@ class ChainSumTask:
             return 1.0
         return 0.5 if got[-1].strip() == want[-1] else 0.0
 
+    def reward_functions(self) -> dict:
+        """The parts of a chain_sum answer as rewards of their own (``reward.functions``)."""
+        return {"answer": self.answer_reward, "steps": self.steps_reward, "format": self.format_reward}
+
+    @staticmethod
+    def answer_reward(problem: Problem, completion: str) -> float:
+        """1 when the last number written is the sum."""
+        got = completion.strip().split(",")
+        return 1.0 if got[-1].strip() == problem.answer.split(",")[-1] else 0.0
+
+    @staticmethod
+    def steps_reward(problem: Problem, completion: str) -> float:
+        """The share of the running sums written correctly, in place (extra numbers count against it)."""
+        want = problem.answer.split(",")
+        got = [g.strip() for g in completion.strip().split(",")]
+        right = sum(1 for g, w in zip(got, want) if g == w)
+        return right / max(len(want), len(got))
+
+    @staticmethod
+    def format_reward(problem: Problem, completion: str) -> float:
+        """1 when the response is comma-separated numbers and nothing else."""
+        got = completion.strip().split(",")
+        return 1.0 if all(g.strip().isdigit() for g in got) else 0.0
+
 
 class ChainSumBoxedTask:
     """chain_sum with the answer written as ``\\boxed{...}`` after the running sums, scored by math-verify:

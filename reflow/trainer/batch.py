@@ -112,11 +112,14 @@ def mask_stale_tokens(batch: TrainBatch, oldest_version: int) -> int:
     return int(stale.sum().item())
 
 
-def to_batch(samples: list["Sample"], pad_id: int, weights: list[float] | None = None) -> TrainBatch:
+def to_batch(
+    samples: list["Sample"], pad_id: int, weights: list[float] | None = None, mask_truncated: bool = False
+) -> TrainBatch:
     """Samples packed for a train step (loss weights default to 1; a single-turn sample's whole response is
-    the model's)."""
+    the model's). ``mask_truncated``: DAPO's overlong filtering (loss.mask_truncated), a sample cut at the
+    length cap keeps no loss token, so it leaves the loss and its normalization."""
     weights = weights if weights is not None else [1.0] * len(samples)
-    return pack(
+    batch = pack(
         [s.prompt_ids for s in samples],
         [s.output_ids for s in samples],
         [s.logprobs for s in samples],
@@ -127,3 +130,8 @@ def to_batch(samples: list["Sample"], pad_id: int, weights: list[float] | None =
         pad_id,
         [s.model_spans if s.model_spans is not None else [[0, len(s.output_ids)]] for s in samples],
     )
+    if mask_truncated:
+        for row, sample in enumerate(samples):
+            if sample.finish_reason == "length":
+                batch.loss_mask[row] = 0.0
+    return batch

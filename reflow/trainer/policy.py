@@ -9,14 +9,17 @@ Build steps, in order (``PolicyTrainer.__init__``):
 
 A ``train_step`` recomputes the log-probs of the batch under the current
 weights (the PPO "old" log-probs; with a single update per batch they are the
-new ones, detached, and no extra forward runs), then runs ``ppo_epochs`` x
-``num_minibatches`` optimizer updates of the GRPO loss in micro-batches.
+new ones, detached, and no extra forward runs unless the off-policy correction
+masks tokens), then runs ``ppo_epochs`` x ``num_minibatches`` optimizer updates
+in micro-batches of the run's algorithm (``reflow.algorithms``): its policy
+loss times the off-policy weight, the KL and entropy terms, aggregated with the
+replay weights over every data-parallel rank, at the schedule's learning rate.
 Every trainer rank must call the collective methods together.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from reflow.algorithms.grpo import LossConfig, loss_denominator, token_loss_terms, weighted_token_sum
+from reflow.algorithms.entropy import entropy_from_logits
+from reflow.algorithms.kl import kl_estimate, kl_shaped_advantages
+from reflow.algorithms.off_policy import mismatch
+from reflow.algorithms.settings import aggregation, lr_schedule, off_policy_correction, policy_loss
 from reflow.config.job_config import JobConfig
 from reflow.distributed.buckets import broadcast_tensors
 from reflow.distributed.utils import TrainerLayout
@@ -66,14 +72,31 @@ def _head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.M
     return token_logprobs(head(hidden), targets, temperature)
 
 
+def _head_logprobs_entropy(
+    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+    return picked - torch.logsumexp(logits, dim=-1), entropy
+
+
 def chunked_token_logprobs(
     hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, chunk_tokens: int,
-) -> torch.Tensor:
+    entropy: str = "none",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs(head(hidden), targets, temperature)`` without the full-vocabulary tensor: the output
     projection and the log-softmax run over ``chunk_tokens`` tokens at a time, and with gradients on each
     chunk is checkpointed (its logits are recomputed in the backward pass instead of kept), so the peak is
     one chunk's logits, ``chunk_tokens x vocab`` in the head's dtype plus its fp32 copy, whatever the
-    micro-batch. hidden (B, T, D), targets (B, T) -> (B, T). ``chunk_tokens`` <= 0: one chunk."""
+    micro-batch. hidden (B, T, D), targets (B, T) -> (B, T). ``chunk_tokens`` <= 0: one chunk.
+
+    ``entropy`` 'logged' (detached) or 'trained' (with gradients, an entropy bonus): also each token's entropy
+    under the same softmax, (B, T), from the same chunk's logits (one more chunk x vocabulary fp32 copy)."""
+    if entropy != "none":
+        return _chunked_with_entropy(hidden, targets, head, temperature, chunk_tokens, entropy == "trained")
     batch, length = targets.shape
     flat_hidden, flat_targets = hidden.reshape(batch * length, -1), targets.reshape(batch * length)
     size = chunk_tokens if chunk_tokens > 0 else max(batch * length, 1)
@@ -90,20 +113,69 @@ def chunked_token_logprobs(
     return torch.cat(parts).reshape(batch, length) if parts else flat_targets.new_zeros((batch, length), dtype=torch.float32)
 
 
+def _chunked_with_entropy(
+    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, chunk_tokens: int,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, length = targets.shape
+    flat_hidden, flat_targets = hidden.reshape(batch * length, -1), targets.reshape(batch * length)
+    size = chunk_tokens if chunk_tokens > 0 else max(batch * length, 1)
+    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    logps, entropies = [], []
+    for start in range(0, batch * length, size):
+        piece, piece_targets = flat_hidden[start:start + size], flat_targets[start:start + size]
+        args = (piece, piece_targets, head, temperature, entropy_grad)
+        if keep_graph:
+            lp, ent = checkpoint(_head_logprobs_entropy, *args, use_reentrant=False)
+        else:
+            lp, ent = _head_logprobs_entropy(*args)
+        logps.append(lp)
+        entropies.append(ent)
+    if not logps:
+        empty = flat_targets.new_zeros((batch, length), dtype=torch.float32)
+        return empty, empty.clone()
+    return torch.cat(logps).reshape(batch, length), torch.cat(entropies).reshape(batch, length)
+
+
 @dataclass
 class StepStats:
+    """One train step's figures over every trainer rank (token means over the loss tokens of the last pass)."""
+
     loss: float
     num_tokens: int
     num_samples: int
     grad_norm: float
+    """The gradient norm before clipping (mean over the step's updates)."""
+    grad_norm_clipped: float
+    """After clipping: min(grad_norm, training.max_norm) per update."""
+    lr: float
+    """The learning rate of the step's last update (``training.warmup_steps``, ``training.lr_decay``)."""
     clip_fraction: float
     is_weight_mean: float
+    """Mean off-policy weight on the tokens that trained."""
     kl_ref: float
+    """Mean of the kl.estimator's value against the reference (0 without one)."""
+    entropy: float
+    """Mean policy entropy per token (nats)."""
     behavior_kl: float
     """Mean of (logp_old - logp_behavior) over tokens: how far vLLM's sampling distribution is from the trainer's."""
+    behavior_k3_kl: float
+    """K3 estimate of KL(behavior || trainer) per token."""
     max_abs_logprob_diff: float
+    off_policy_dropped_frac: float = 0.0
+    """Loss tokens the masking off-policy correction dropped, as a share of the batch's loss tokens."""
     skipped_updates: int = 0
     """Optimizer updates of the step skipped for a non-finite loss or gradient norm."""
+
+    def as_row(self) -> dict:
+        """The step row's keys (``reflow.modes.base.step_metrics``)."""
+        row = asdict(self)
+        for step_level in ("loss", "num_tokens", "num_samples"):
+            row.pop(step_level)
+        row["behavior_logprob_gap"] = row.pop("behavior_kl")
+        row["behavior_logprob_gap_max"] = row.pop("max_abs_logprob_diff")
+        row["entropy_mean"] = row.pop("entropy")
+        return row
 
 
 @dataclass
@@ -141,13 +213,11 @@ class PolicyTrainer:
         self.device = device
         self.rank = dist.get_rank()
         self.temperature = cfg.rollout.temperature
-        training = cfg.training
-        self.loss_cfg = LossConfig(
-            clip_eps_low=training.clip_eps,
-            clip_eps_high=training.clip_eps_high if training.clip_eps_high > 0 else training.clip_eps,
-            is_cap=training.is_truncation,
-            kl_coef=training.kl_coef,
-        )
+        # the run's algorithm (``reflow.algorithms``), built from its config sections
+        self.policy_loss = policy_loss(cfg)
+        self.aggregation = aggregation(cfg)
+        self.correction = off_policy_correction(cfg)
+        self.schedule = lr_schedule(cfg)
         self.layouts = layouts
         self.layout = layouts[replicas]
         # 1. model config
@@ -194,7 +264,7 @@ class PolicyTrainer:
                 module.requires_grad_(False)  # the frozen reference
             return module
 
-        return skeleton(True), skeleton(False) if self.cfg.training.kl_coef > 0 else None
+        return skeleton(True), skeleton(False) if self.cfg.kl.coef > 0 else None
 
     def _new_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         training = self.cfg.training
@@ -313,7 +383,9 @@ class PolicyTrainer:
 
     # ---- forward helpers -------------------------------------------------
 
-    def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    def _logprobs(self, model: torch.nn.Module, tokens: torch.Tensor, entropy: str = "none"):
+        """Log-probs of ``tokens[:, 1:]``, (B, T-1); with ``entropy`` 'logged' or 'trained' also each position's
+        entropy (``chunked_token_logprobs``)."""
         inputs = tokens[:, :-1]  # (B, T-1); one right-padded sequence per row
         masks = None
         if self.cfg.model.attention == "flex":
@@ -325,7 +397,7 @@ class PolicyTrainer:
         # forward through the backward pass, so the head's weight is the gathered one
         hidden = model(inputs, attention_masks=masks)  # SDPA is causal without masks
         return chunked_token_logprobs(hidden, tokens[:, 1:], model.lm_head, self.temperature,
-                                      self.cfg.training.logprob_chunk_tokens)
+                                      self.cfg.training.logprob_chunk_tokens, entropy)
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor, TrainBatch]]:
         """(row indices, micro-batch) pairs of one batch: rows grouped by length and each micro-batch cut to
@@ -388,13 +460,25 @@ class PolicyTrainer:
             raise ValueError("train_step needs at least one batch")
         self.unpark()
         # one update per batch (ppo_epochs = num_minibatches = 1): the policy that would score the "old"
-        # log-probs is the one being updated, so they are the new log-probs, detached; no extra forward
+        # log-probs is the one being updated, so they are the new log-probs, detached; no extra forward, unless
+        # a masking off-policy correction must know them to decide which tokens train before the update
         single_update = training.ppo_epochs == 1 and training.num_minibatches == 1
-        old_lps = [None] * len(segments) if single_update else self._segment_logprobs(segments)
+        if single_update and not self.correction.masks:
+            old_lps = [None] * len(segments)
+        else:
+            old_lps = self._segment_logprobs(segments)
+        dropped = torch.zeros(2, dtype=torch.float64)  # [loss tokens dropped by the correction, loss tokens]
+        if self.correction.masks:
+            kept = []
+            for seg, old in zip(segments, old_lps):
+                keep = seg.loss_mask * self.correction.drop_mask(old, seg.behavior_logprobs, seg.loss_mask)
+                dropped += torch.tensor([(seg.loss_mask.sum() - keep.sum()).item(), seg.loss_mask.sum().item()], dtype=torch.float64)
+                kept.append(replace(seg, loss_mask=keep))
+            segments = kept
         ref_lps = self._segment_logprobs(segments, self.ref_model) if self.ref_model is not None else [None] * len(segments)
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
         max_diff = torch.zeros(1, dtype=torch.float64)
-        grad_norms = []
+        grad_norms, clipped_norms = [], []
         skipped = 0
         for epoch in range(training.ppo_epochs):
             chunks = []
@@ -416,28 +500,39 @@ class PolicyTrainer:
                 skipped += stats.pop("skipped")
                 if epoch == training.ppo_epochs - 1:  # report the last pass
                     grad_norms.append(stats.pop("grad_norm"))
+                    clipped_norms.append(stats.pop("grad_norm_clipped"))
                     max_diff[0] = max(max_diff[0].item(), stats.pop("max_diff"))
                     totals += torch.tensor([stats[k] for k in _STAT_KEYS], dtype=torch.float64)
         dist.all_reduce(totals, group=self.group)
         dist.all_reduce(max_diff, op=dist.ReduceOp.MAX, group=self.group)
-        tokens = max(totals[1].item(), 1.0)
+        if self.correction.masks:
+            dist.all_reduce(dropped, group=self.group)
+        total = dict(zip(_STAT_KEYS, totals.tolist()))
+        tokens = max(total["tokens"], 1.0)
         return StepStats(
-            loss=totals[0].item() / training.num_minibatches,
-            num_tokens=int(totals[1].item()),
-            num_samples=int(totals[6].item()),
+            loss=total["loss"] / training.num_minibatches,
+            num_tokens=int(total["tokens"]),
+            num_samples=int(total["samples"]),
             grad_norm=float(sum(grad_norms) / max(len(grad_norms), 1)),
-            clip_fraction=totals[2].item() / tokens,
-            is_weight_mean=totals[3].item() / tokens,
-            kl_ref=totals[4].item() / tokens,
-            behavior_kl=totals[5].item() / tokens,
+            grad_norm_clipped=float(sum(clipped_norms) / max(len(clipped_norms), 1)),
+            lr=self.optimizer.param_groups[0]["lr"],
+            clip_fraction=total["clipped"] / tokens,
+            is_weight_mean=total["is_weight"] / tokens,
+            kl_ref=total["kl"] / tokens,
+            entropy=total["entropy"] / tokens,
+            behavior_kl=total["behavior_kl"] / tokens,
+            behavior_k3_kl=total["behavior_k3"] / tokens,
             max_abs_logprob_diff=max_diff.item(),
+            off_policy_dropped_frac=dropped[0].item() / max(dropped[1].item(), 1.0),
             skipped_updates=skipped,
         )
 
     def _update(self, parts: list[tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None]]) -> dict[str, float]:
         """One optimizer update on a minibatch: (batch, old log-probs or None for the detached new ones,
-        reference log-probs) per virtual rank, gradients accumulated over their micro-batches."""
-        local_den = sum(loss_denominator(batch.loss_mask, batch.weights).to(torch.float64) for batch, _, _ in parts)
+        reference log-probs) per virtual rank, gradients accumulated over their micro-batches. The
+        aggregation's denominator is summed over every virtual rank of every trainer rank first, so each
+        micro-batch's numerator over it sums to the one big minibatch's loss (``reflow.algorithms.aggregation``)."""
+        local_den = sum(self.aggregation.denominator(batch.loss_mask, batch.weights) for batch, _, _ in parts)
         den = torch.as_tensor(local_den, dtype=torch.float64).reshape(1)
         dist.all_reduce(den, group=self.group)
         den_v = max(den.item(), 1e-8)
@@ -453,10 +548,13 @@ class PolicyTrainer:
                 passes += 1
         for mb in self._padding(passes, parts[0][0]):
             self._backward(mb, None, None, den_v, stats, padding=True)
-        max_norm = self.cfg.training.max_norm
+        training = self.cfg.training
+        lr = training.lr * self.schedule.lr_factor(self.num_updates)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if training.max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, training.max_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(norm, DTensor):
@@ -469,34 +567,56 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.num_updates += 1
         stats["grad_norm"] = float(norm)
+        # clip_grad_norm_ scales by max_norm / (norm + 1e-6) when that is below 1
+        scale = min(1.0, training.max_norm / (float(norm) + 1e-6)) if training.max_norm > 0 else 1.0
+        stats["grad_norm_clipped"] = float(norm) * scale
         stats["skipped"] = 0 if finite else 1
         return stats
 
     def _backward(self, mb: TrainBatch, old_lp, ref_lp, den: float, stats: dict, padding: bool = False) -> None:
         """Forward/backward of one micro-batch; ``old_lp`` None: the detached new log-probs (one update per
-        batch); ``padding``: a micro-batch of zero weights that only keeps the ranks' collectives in step."""
+        batch); ``padding``: a micro-batch of zero weights that only keeps the ranks' collectives in step.
+
+        Per token: l = w_off * policy_loss + beta k (kl.placement 'loss') - entropy_coef H, with the advantage
+        shaped by -beta's return-to-go instead under kl.placement 'reward'; then the aggregation's numerator
+        over the global denominator."""
         mb = mb.to(self.device)
-        new_lp = self._logprobs(self.model, mb.tokens)
+        kl, entropy_coef = self.cfg.kl, self.cfg.loss.entropy_coef
+        new_lp, entropy = self._logprobs(self.model, mb.tokens, "trained" if entropy_coef > 0 else "logged")
         if old_lp is None:
             old_lp = new_lp.detach()
         if padding:  # any finite values do: the weights and the mask are zero
             ref_lp = new_lp.detach() if self.ref_model is not None else None
         old_lp = old_lp.to(self.device)
         ref_lp = ref_lp.to(self.device) if ref_lp is not None else None
-        terms = token_loss_terms(new_lp, old_lp, mb.behavior_logprobs, mb.advantages, self.loss_cfg, ref_lp)
-        loss_sum = weighted_token_sum(terms["loss"], mb.loss_mask, mb.weights)
-        # FSDP sums gradients over every data-parallel rank (pure SUM, no averaging): dividing by the global
-        # weighted token count gives the global weighted token mean, whatever the placement
-        (loss_sum / den).backward()
         mask = mb.loss_mask
-        diff = (old_lp - mb.behavior_logprobs) * mask
+        advantages = mb.advantages
+        if kl.coef > 0 and kl.placement == "reward":
+            advantages = kl_shaped_advantages(advantages, new_lp, ref_lp, mask, kl.coef, kl.estimator)
+        policy = self.policy_loss(new_lp, old_lp, advantages, mask)
+        off_policy = self.correction.weights(old_lp, mb.behavior_logprobs, mask)
+        token_loss = off_policy * policy.loss
+        kl_value = None
+        if kl.coef > 0:
+            kl_value = kl_estimate(new_lp, ref_lp, kl.estimator)
+            if kl.placement == "loss":
+                token_loss = token_loss + kl.coef * kl_value
+        if entropy_coef > 0:
+            token_loss = token_loss - entropy_coef * entropy
+        loss_sum = self.aggregation.numerator(token_loss, mask, mb.weights)
+        # FSDP sums gradients over every data-parallel rank (pure SUM, no averaging): dividing by the global
+        # denominator gives the aggregation of the whole minibatch, whatever the placement
+        (loss_sum / den).backward()
+        gap = mismatch(old_lp, mb.behavior_logprobs, mask)
         stats["loss"] += loss_sum.item() / den
-        stats["tokens"] += mask.sum().item()
-        stats["clipped"] += (terms["clipped"] * mask).sum().item()
-        stats["is_weight"] += (terms["is_weight"] * mask).sum().item()
-        stats["kl"] += (terms["kl"] * mask).sum().item() if "kl" in terms else 0.0
-        stats["behavior_kl"] += diff.sum().item()
-        stats["max_diff"] = max(stats["max_diff"], diff.abs().max().item())
+        stats["tokens"] += gap.tokens
+        stats["clipped"] += (policy.clipped * mask).sum().item()
+        stats["is_weight"] += (off_policy * mask).sum().item()
+        stats["kl"] += (kl_value.detach() * mask).sum().item() if kl_value is not None else 0.0
+        stats["entropy"] += (entropy.detach() * mask).sum().item()
+        stats["behavior_kl"] += gap.log_ratio_sum
+        stats["behavior_k3"] += gap.k3_sum
+        stats["max_diff"] = max(stats["max_diff"], gap.max_abs)
         stats["samples"] += (mask.sum(-1) > 0).sum().item()
 
     # ---- weights out ---------------------------------------------------------
@@ -535,4 +655,4 @@ def _trim(batch: TrainBatch, width: int) -> TrainBatch:
     )
 
 
-_STAT_KEYS = ("loss", "tokens", "clipped", "is_weight", "kl", "behavior_kl", "samples")
+_STAT_KEYS = ("loss", "tokens", "clipped", "is_weight", "kl", "entropy", "behavior_kl", "behavior_k3", "samples")

@@ -14,6 +14,7 @@ import time
 
 from safetensors.torch import load_file
 
+from reflow.algorithms.settings import advantage_estimator
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.modes.commands import Progress, Stop, SyncWeights
@@ -81,7 +82,7 @@ budget = DispatchBudget(DispatchRule(window=4), 0, 1, group_size=2)  # one_step_
 stream = PromptStream(load_problems(resolve_path(cfg.task.train_file)), 0)
 groups = PromptGroups(stream, initial_shares(1)[0], task, tokenizer, 2, cfg.rollout.max_new_tokens, cfg.job.seed)
 worker = RolloutWorker(
-    cfg, engine, TurnDriver(engine, task, tokenizer), groups, TaskScorer(task, tokenizer, cfg.training.normalize_adv_std, cfg.training.advantage_eps), SameWeights(),
+    cfg, engine, TurnDriver(engine, task, tokenizer), groups, TaskScorer(task, tokenizer, advantage_estimator(cfg)), SameWeights(),
     ScriptedControl(outbox), outbox, budget, 0, [0],
 )
 worker.run()

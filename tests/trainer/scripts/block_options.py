@@ -41,7 +41,7 @@ def build(value) -> PolicyTrainer:
     cfg = JobConfig()
     cfg.training.lr = 2e-3
     cfg.training.num_minibatches = 2
-    cfg.training.kl_coef = 0.05
+    cfg.kl.coef = 0.05
     setattr(cfg.training, OPTION, value)
     return PolicyTrainer(cfg, recipe, hf_dir, layouts, 2, device)
 

@@ -60,7 +60,7 @@ layouts = build_trainer_layouts(world, SHARD, [2, 1])
 def config(micro_batch_size: int) -> JobConfig:
     cfg = JobConfig()
     cfg.training.lr = 2e-3
-    cfg.training.kl_coef = 0.05
+    cfg.kl.coef = 0.05
     cfg.training.num_minibatches = 2
     cfg.training.micro_batch_size = micro_batch_size
     cfg.weight_sync.bucket_size_mb = 0.25  # several buckets

@@ -22,7 +22,7 @@ hf_dir = resolve_path(recipe.hf_checkpoint)
 layouts = build_trainer_layouts(world, world, [1])
 cfg = JobConfig()
 cfg.training.lr = 2e-3
-cfg.training.kl_coef = 0.05
+cfg.kl.coef = 0.05
 cfg.training.micro_batch_size = 2
 
 

@@ -1,0 +1,66 @@
+"""A sample's reward: the task's reward functions, weighted, plus DAPO's overlong shaping.
+
+    reward = sum_k weight_k * f_k(problem, response)  -  overlong_penalty * |R_length(model tokens)|
+
+``reward.functions`` names the functions: 'task' is the task's own ``reward``; a task may offer more
+through ``reward_functions()`` (name -> function of the problem and the response text), such as
+chain_sum's 'answer', 'steps' and 'format'. Every part is kept on the sample (``Sample.reward_parts``) and
+logged per step as ``reward_<name>_mean`` (the shaping as ``reward_overlong_mean``). The held-out evaluation
+scores with the task's own reward, so runs with different mixes compare on one scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from reflow.algorithms.shaping import overlong_penalty
+from reflow.tasks.base import Problem, Task
+
+RewardFunction = Callable[[Problem, str], float]
+
+
+def available_functions(task: Task) -> dict[str, RewardFunction]:
+    """The reward functions a task offers, by name: 'task' and whatever its ``reward_functions`` adds."""
+    offered = dict(task.reward_functions()) if hasattr(task, "reward_functions") else {}
+    return {"task": task.reward, **offered}
+
+
+@dataclass
+class RewardMix:
+    """The reward of the ``[reward]`` section for one task."""
+
+    functions: dict[str, RewardFunction]
+    weights: dict[str, float]
+    max_tokens: int
+    overlong_buffer: int = 0
+    overlong_scale: float = 1.0
+
+    @classmethod
+    def build(cls, task: Task, section, max_tokens: int) -> "RewardMix":
+        """From ``reward`` (a ``RewardSection``); an unknown function name is a ValueError naming the key."""
+        offered = available_functions(task)
+        unknown = [name for name in section.functions if name not in offered]
+        if unknown:
+            raise ValueError(
+                f"reward.functions: {', '.join(map(repr, unknown))} not offered by task {task.name!r} "
+                f"(it offers: {', '.join(offered)})"
+            )
+        weights = section.weights or [1.0] * len(section.functions)
+        return cls(
+            {name: offered[name] for name in section.functions}, dict(zip(section.functions, weights)), max_tokens,
+            section.overlong_buffer, section.overlong_penalty,
+        )
+
+    @property
+    def part_names(self) -> list[str]:
+        return list(self.functions) + (["overlong"] if self.overlong_buffer > 0 else [])
+
+    def score(self, problem: Problem, response: str, model_tokens: int) -> tuple[float, dict[str, float]]:
+        """(the reward, each part before its weight: the functions' values and the overlong term)."""
+        parts = {name: float(function(problem, response)) for name, function in self.functions.items()}
+        total = sum(self.weights[name] * value for name, value in parts.items())
+        if self.overlong_buffer > 0:
+            parts["overlong"] = self.overlong_scale * overlong_penalty(model_tokens, self.max_tokens, self.overlong_buffer)
+            total += parts["overlong"]
+        return total, parts
