@@ -1,0 +1,88 @@
+"""2 ranks, one FSDP2 trainer sharded over both: for every loss aggregation, one optimizer update on a batch
+served whole by rank 0 in one micro-batch (rank 1 only pads the collectives) and on the same batch split
+over the two ranks in micro-batches of one or two rows must give the same loss and gradient.
+Writes a JSON report to argv[1].
+
+The batch has rows of different lengths, a row whose tokens are all masked, replay weights 1 and tau = 0.5,
+and behaviour log-probs away from the trainer's (the off-policy weight is not 1), so every aggregation's
+scale and denominator matter: dividing a micro-batch's sum by its own denominator, or a rank's by its own,
+would move the gradient norm by far more than float rounding."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from reflow.algorithms.aggregation import AGGREGATIONS
+from reflow.config.job_config import JobConfig
+from reflow.distributed import build_trainer_layouts, init_distributed
+from reflow.model.recipe import load_recipe, resolve_path
+from reflow.trainer.batch import index, pack, zero_batch
+from reflow.trainer.policy import PolicyTrainer
+
+rank, world, device = init_distributed()
+assert world == 2
+recipe = load_recipe("tiny")
+hf_dir = resolve_path(recipe.hf_checkpoint)
+layouts = build_trainer_layouts(world, 2, [1])
+ROWS = 8
+
+
+def global_batch():
+    gen = torch.Generator().manual_seed(7)
+    prompts, outputs, lps, versions, advs = [], [], [], [], []
+    for row in range(ROWS):
+        n = 2 + 3 * (row % 4)  # 2, 5, 8, 11 tokens
+        prompts.append(torch.randint(3, 30, (3,), generator=gen).tolist())
+        outputs.append(torch.randint(3, 30, (n,), generator=gen).tolist())
+        lps.append((-torch.rand(n, generator=gen) * 4).tolist())
+        versions.append([0] * n)
+        advs.append(float(torch.randn(1, generator=gen)))
+    weights = [1.0, 0.5] * (ROWS // 2)
+    batch = pack(prompts, outputs, lps, versions, advs, weights, [0.0] * ROWS, 0)
+    batch.loss_mask[3] = 0.0  # a row with nothing left to train (a stale head, an overlong filter)
+    batch.loss_mask[5, :4] = 0.0  # part of a row masked
+    return batch
+
+
+def run(aggregation: str, policy: str, split: bool) -> dict:
+    cfg = JobConfig()
+    cfg.training.lr = 1e-3
+    cfg.training.max_norm = 0.0  # the update sees the raw gradient
+    cfg.loss.aggregation, cfg.loss.policy = aggregation, policy
+    cfg.off_policy.cap = 10.0
+    cfg.training.micro_batch_size = 2 if split else ROWS
+    trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
+    batch = global_batch()
+    if split:  # rows 0, 2, 4, 6 on rank 0 and 1, 3, 5, 7 on rank 1: two micro-batches each
+        mine = index(batch, torch.arange(rank, ROWS, 2))
+    else:
+        mine = batch if rank == 0 else zero_batch(batch)
+    grads = []
+    step = trainer.optimizer.step
+
+    def record_then_step(*args, **kwargs):  # the accumulated gradient, as the optimizer gets it
+        grads.append(torch.cat([p.grad.full_tensor().flatten() for p in trainer.model.parameters()]))
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = record_then_step
+    stats = trainer.train_step(mine)
+    return {"loss": stats.loss, "grad_norm": stats.grad_norm, "grad": grads[0]}
+
+
+report = {}
+cases = [(name, "ppo_clip") for name in AGGREGATIONS] + [("seq_mean_token_mean", "gspo"), ("token_sum_norm", "cispo")]
+for aggregation, policy in cases:
+    whole, split = run(aggregation, policy, False), run(aggregation, policy, True)
+    report[f"{aggregation}/{policy}"] = {
+        "loss": [whole["loss"], split["loss"]],
+        "grad_norm": [whole["grad_norm"], split["grad_norm"]],
+        "grad_max_abs": whole["grad"].abs().max().item(),
+        "grad_max_diff": (whole["grad"] - split["grad"]).abs().max().item(),
+    }
+if rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(report, f, indent=1)
+dist.barrier()
+dist.destroy_process_group()
