@@ -25,11 +25,14 @@ ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
 
 def _per_group(rewards: torch.Tensor, group_ids: torch.Tensor, fn) -> torch.Tensor:
-    out = torch.empty_like(rewards, dtype=torch.float32)
+    """``fn`` on each group's rewards, in float64: a group of equal rewards that are not exact in binary (2/3,
+    a weighted mix's 0.85) must centre to 0, and float32's mean is an ulp off, which GRPO's std would then
+    blow up to a spurious advantage."""
+    out = torch.empty_like(rewards, dtype=torch.float64)
     for group in torch.unique(group_ids):
         members = group_ids == group
-        out[members] = fn(rewards[members].float())
-    return out
+        out[members] = fn(rewards[members].double())
+    return out.float()
 
 
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -60,7 +63,7 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 
 def whiten(values: torch.Tensor, mean: float, std: float, eps: float = 1e-6) -> torch.Tensor:
     """(v - mean) / (std + eps), with the batch's statistics given (a batch spread over ranks)."""
-    return (values.float() - mean) / (std + eps)
+    return ((values.double() - mean) / (std + eps)).float()
 
 
 def reinforce_pp(
@@ -69,7 +72,7 @@ def reinforce_pp(
     """REINFORCE++ (Hu et al. 2025, "REINFORCE++", eq. 9): the batch-normalized reward,
     A_i = (r_i - mean_B) / (std_B + eps) over the whole batch (population std). With ``group_ids``,
     REINFORCE++-baseline: the group mean is subtracted first, A_i = whiten_B(r_i - mean_g)."""
-    centred = dr_grpo(rewards, group_ids) if group_ids is not None else rewards.float()
+    centred = (dr_grpo(rewards, group_ids) if group_ids is not None else rewards).double()
     return whiten(centred, centred.mean().item(), centred.std(unbiased=False).item(), eps)
 
 
