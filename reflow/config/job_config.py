@@ -248,7 +248,7 @@ class RewardSection:
 
     functions: list[str] = field(default_factory=lambda: ["task"])
     """Reward functions of the task, by name: 'task' (its reward), or one the task names (chain_sum: 'answer',
-    'steps', 'format')."""
+    'steps', 'format'; math and chain_sum_boxed: 'boxed')."""
     weights: list[float] = field(default_factory=list)
     """One weight per function (empty: 1 each); the reward is their weighted sum."""
     overlong_buffer: int = limited(0, ge=0)

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 
 from reflow.tasks.base import Problem
-from reflow.tasks.math_verify_reward import MathVerifier, boxed_reward
+from reflow.tasks.math_verify_reward import MathVerifier, boxed_format_reward, boxed_reward
 
 
 @dataclass
@@ -134,3 +134,7 @@ class ChainSumBoxedTask:
 
     def reward(self, problem: Problem, completion: str) -> float:
         return boxed_reward(self.verifier, completion, problem.answer.split(",")[-1])
+
+    def reward_functions(self) -> dict:
+        """Beside the answer: whether it is boxed at all (``reward.functions``)."""
+        return {"boxed": boxed_format_reward}

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from reflow.tasks.base import Problem
-from reflow.tasks.math_verify_reward import MathVerifier
+from reflow.tasks.math_verify_reward import MathVerifier, boxed_format_reward
 
 
 class MathTask:
@@ -23,3 +23,7 @@ class MathTask:
 
     def reward(self, problem: Problem, completion: str) -> float:
         return self.verifier.score(completion, problem.answer)
+
+    def reward_functions(self) -> dict:
+        """Beside the answer: whether it is boxed at all (``reward.functions``)."""
+        return {"boxed": boxed_format_reward}

@@ -99,3 +99,9 @@ def boxed_reward(verifier: MathVerifier, text: str, reference: str) -> float:
     if "\\boxed{" not in text:
         return 0.0
     return verifier.score(text, reference)
+
+
+def boxed_format_reward(problem, text: str) -> float:
+    """1.0 when the response gives its answer in ``\\boxed{...}`` (right or wrong): a format reward
+    (``reward.functions = ["task", "boxed"]``)."""
+    return 1.0 if "\\boxed{" in text else 0.0
