@@ -208,6 +208,9 @@ class ShardReadiness:
     retired: tuple[int, ...]
     """Samples retired (trained for the first time, or evicted unused), per rollout worker, since its budgets
     started."""
+    filtered: tuple[int, ...]
+    """Of those, the samples dropped on arrival for carrying no signal (dynamic sampling, eviction cause
+    "no_signal"), per rollout worker: they refund the per-step credit (B_max)."""
     eligible: int
     """Unused samples it could train now, those on their way to it included."""
     need: int
@@ -225,6 +228,8 @@ class TrainerView:
     all_ready: bool
     retired: tuple[int, ...]
     """Per rollout worker, summed over the shards."""
+    filtered: tuple[int, ...]
+    """Per rollout worker, summed over the shards: retired samples that were filtered (no signal)."""
     eligible: tuple[int, ...]
     need: tuple[int, ...]
     urgent: tuple[int, ...]
@@ -235,6 +240,7 @@ class TrainerView:
         return cls(
             all_ready=all(r.ready for r in reports),
             retired=tuple(sum(column) for column in zip(*(r.retired for r in reports))),
+            filtered=tuple(sum(column) for column in zip(*(r.filtered for r in reports))),
             eligible=tuple(r.eligible for r in reports),
             need=tuple(r.need for r in reports),
             urgent=tuple(r.urgent for r in reports),

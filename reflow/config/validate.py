@@ -39,6 +39,13 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
         )
     if cfg.kl.placement == "reward" and cfg.kl.coef == 0:
         fail("kl.placement", "= 'reward' needs kl.coef > 0")
+    if cfg.reward.dynamic_sampling and t.mode == "one_step_off":
+        fail(
+            "reward.dynamic_sampling",
+            "needs 'sync', 'async' or 'reflow': 'one_step_off' trains exactly the batch the previous policy began, "
+            "and a dropped group's replacement starts under the next policy, so the step would wait for it forever "
+            "(docs/decoupled_protocol.md)",
+        )
     if t.mode != "sync" and cfg.metrics.eval_interval > 0:
         from reflow.config.mode_settings import resolve_settings
 

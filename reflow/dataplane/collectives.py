@@ -16,23 +16,26 @@ from reflow.types import ShardReadiness, TrainerView
 
 class GlooReadinessExchange:
     """A ``ReadinessExchange`` over a trainer group: one all-reduce(SUM) of [not-ready flags, retired per
-    rollout worker, then each shard's eligible, need, urgent and unused counts in its own slot]."""
+    rollout worker, filtered per rollout worker, then each shard's eligible, need, urgent and unused counts in
+    its own slot]."""
 
     def __init__(self, group, shard_index: int, num_shards: int, num_rollout: int):
         self.group, self.shard_index, self.num_shards, self.num_rollout = group, shard_index, num_shards, num_rollout
 
     def exchange(self, mine: ShardReadiness) -> TrainerView:
         num_rollout, num_shards = self.num_rollout, self.num_shards
-        counts = torch.zeros(1 + num_rollout + 4 * num_shards, dtype=torch.long)
+        counts = torch.zeros(1 + 2 * num_rollout + 4 * num_shards, dtype=torch.long)
         counts[0] = int(not mine.ready)
         counts[1 : 1 + num_rollout] = torch.tensor(mine.retired, dtype=torch.long)
-        base = 1 + num_rollout
+        counts[1 + num_rollout : 1 + 2 * num_rollout] = torch.tensor(mine.filtered, dtype=torch.long)
+        base = 1 + 2 * num_rollout
         for k, value in enumerate((mine.eligible, mine.need, mine.urgent, mine.unused)):
             counts[base + k * num_shards + self.shard_index] = value
         dist.all_reduce(counts, group=self.group)
         per_shard = [tuple(counts[base + k * num_shards : base + (k + 1) * num_shards].tolist()) for k in range(4)]
         return TrainerView(
             all_ready=counts[0].item() == 0, retired=tuple(counts[1 : 1 + num_rollout].tolist()),
+            filtered=tuple(counts[1 + num_rollout : base].tolist()),
             eligible=per_shard[0], need=per_shard[1], urgent=per_shard[2], unused=per_shard[3],
         )
 

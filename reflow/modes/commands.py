@@ -31,6 +31,9 @@ class Progress:
     reflow); None with fixed shares."""
     shard_unused: tuple[int, ...] | None = None
     """Unused samples per trainer shard when this word was sent: where finished groups are routed."""
+    filtered: int = 0
+    """Of this worker's retired samples, those dropped for carrying no signal (dynamic sampling): they give
+    their per-step credit (B_max) back."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ Command = SyncWeights | Progress | Transition | Stop
 def apply_progress(progress: Progress, budget: DispatchBudget, router: ShardRouter) -> None:
     """A Progress word: the trainer's counts (and the grants, with the global dispatcher) to the dispatch
     budget, the shards' unused counts to the router. Cumulative counts: a late or repeated word is harmless."""
-    budget.update(progress.steps_done, progress.retired)
+    budget.update(progress.steps_done, progress.retired, progress.filtered)
     if progress.granted is not None:
         budget.grant(progress.granted)
     router.update(progress.shard_unused)

@@ -152,7 +152,10 @@ class DecoupledMode(ModeBase):
         if self.is_trainer:
             index, num_rollout = self.trainer_ranks.index(self.rank), len(self.rollout_workers)
             if self.shard is None:
-                self.shard = TrainerShard(self._new_buffer(), index, num_rollout, self.batch_per_shard, self.ledger)
+                self.shard = TrainerShard(
+                    self._new_buffer(), index, num_rollout, self.batch_per_shard, self.ledger,
+                    dynamic_sampling=cfg.reward.dynamic_sampling,
+                )
             else:
                 self.shard.index, self.shard.batch_per_shard = index, self.batch_per_shard
                 self.shard.restart_budgets(num_rollout)
@@ -318,7 +321,9 @@ class DecoupledMode(ModeBase):
         (its count, response length and reward, evicted samples included: ``reward_mean`` is over trained ones),
         unused samples evicted by cause, the head lag of the fresh samples (versions their oldest token is behind
         the trained policy), the model tokens masked for lagging more than max_head_lag, and survival (trained
-        fresh / retired) per decile of response length among the samples retired since the previous step."""
+        fresh / retired) per decile of response length among the samples retired since the previous step (those
+        dynamic sampling filtered left out), and the share of what arrived that dynamic sampling filtered
+        (evicted "no_signal"; 0 when it is off)."""
         window = self.shard.take_window()
         head_lags = [0] * (max(self.max_staleness, self.settings.max_head_lag or 0) + 2)
         for sample in plan.fresh:  # the last bucket holds every lag beyond the others
@@ -348,6 +353,7 @@ class DecoupledMode(ModeBase):
             "masked_token_frac": total["masked"] / total["model_tokens"] if total["model_tokens"] else 0.0,
             "evicted_unused": sum(evicted.values()),
             **{f"evicted_{cause}": count for cause, count in evicted.items()},
+            "dynamic_sampling_filtered_frac": evicted["no_signal"] / received if received else 0.0,
             "head_lag_counts": [int(x) for x in total["head_lags"]],
             "survival_by_length_decile": survival_by_decile([pair for part in retired for pair in part]),
             "buffer_size_max": int(buffered),

@@ -6,8 +6,9 @@ other trainer rank, and broadcasts the leader's placement answer itself. Its wor
 ``CommandSink`` (the control channel live, the simulator's in-process transport otherwise).
 
   progress     ``publish``: a ``Progress`` to every rollout worker whenever the steps done, the retired
-               counts or the shards' unused counts changed (cumulative counts: a repeated word is harmless;
-               I2 of ``docs/decoupled_protocol.md``), with its grants when the ``GroupDispatcher`` deals
+               (and filtered) counts or the shards' unused counts changed (cumulative counts: a repeated word
+               is harmless; I2 of ``docs/decoupled_protocol.md``), with its grants when the
+               ``GroupDispatcher`` deals
   reports      ``WorkerStats`` per rollout worker, added up over the step (``RolloutWindow``), and the
                dispatcher's view of each worker's KV load
   evaluation   each version's ``EvalShare`` from every rollout worker, logged once all have arrived
@@ -130,20 +131,21 @@ class Leader:
     # ---- progress ----------------------------------------------------------------------
 
     def publish(self, steps_done: int, view: TrainerView) -> None:
-        progress = (steps_done, view.retired, view.unused)
+        progress = (steps_done, view.retired, view.filtered, view.unused)
         if progress == self.published:
             return
         self.published = progress
         granted = None
         if self.dispatcher is not None:
             before = list(self.dispatcher.granted)
-            granted = self.dispatcher.deal(steps_done, list(view.retired))  # I3: all the room the rule allows, at once
+            # I3: all the room the rule allows, at once (filtered samples refund B_max)
+            granted = self.dispatcher.deal(steps_done, list(view.retired), list(view.filtered))
             for worker, rank in enumerate(self.rollout_workers):
                 dealt = (granted[worker] - before[worker]) // self.group_size
                 self.dealt_groups[str(rank)] = self.dealt_groups.get(str(rank), 0) + dealt
         for worker, rank in enumerate(self.rollout_workers):
             grant = granted[worker] if granted is not None else None
-            self.sink.send(rank, Progress(steps_done, view.retired[worker], grant, view.unused))
+            self.sink.send(rank, Progress(steps_done, view.retired[worker], grant, view.unused, view.filtered[worker]))
 
     def take_dealt(self) -> dict[str, int] | None:
         """Groups the dispatcher granted each rollout rank since the previous step (None: fixed shares)."""

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 
-EVICTION_CAUSES = ("arrived_stale", "aged", "at_sync")
+EVICTION_CAUSES = ("arrived_stale", "aged", "at_sync", "no_signal")
 """Why an unused sample was evicted: it was already past its bound when it arrived; it aged past it in the
-buffer while the trainer waited or stepped; or it was found past it at a weight sync."""
+buffer while the trainer waited or stepped; it was found past it at a weight sync; or its group's rewards were
+all equal (dynamic sampling, reward.dynamic_sampling: dropped on arrival, never buffered)."""
 
 ROLLOUT_KEYS = ("started", "sent", "dropped_at_stop", "handed_in", "handed_out")
 

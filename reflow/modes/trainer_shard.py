@@ -7,11 +7,13 @@ simulator combines its shards' reports in process). So the live run, the simulat
 the same object.
 
   accept_group     a finished group bound to this shard (R4): into the buffer, or retired at once as
-                   evicted if it is already past its bound (cause "arrived_stale")
+                   evicted if it is already past its bound (cause "arrived_stale"), or, with dynamic
+                   sampling, if its rewards are all equal (cause "no_signal": it is *filtered*, and its
+                   samples refund the per-step credit, ``reflow.scheduler.dispatch``)
   evict_stale      samples past delta are never trained again; an unused one retires as evicted
-  readiness        what the exchange sums: can this shard serve exactly b/A now, its retirements per
-                   rollout worker (the window's R1 counts), and its eligible, needed, urgent and unused
-                   samples (for ``plan_moves`` and the router)
+  readiness        what the exchange sums: can this shard serve exactly b/A now, its retirements and
+                   filtered samples per rollout worker (the R1 and B_max counts), and its eligible, needed,
+                   urgent and unused samples (for ``plan_moves`` and the router)
   donate / expect  this shard's part of the moves ``TrainerView.moves`` computed alike on every rank
   plan / retire    a batch of exactly b/A (R3: fresh earliest deadline first), then the first uses retire
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from reflow.algorithms.shaping import has_signal
 from reflow.modes.ledger import EVICTION_CAUSES
 from reflow.replay import ReplayBuffer
 from reflow.replay.buffer import BatchPlan
@@ -37,16 +40,24 @@ class ShardWindow:
     received_reward: float = 0.0
     evicted: dict[str, int] = field(default_factory=lambda: {cause: 0 for cause in EVICTION_CAUSES})
     retired_lengths: list[tuple[int, bool]] = field(default_factory=list)
-    """(response length, trained fresh) of every sample retired."""
+    """(response length, trained fresh) of every sample retired, but those filtered for carrying no signal."""
 
 
 class TrainerShard:
-    def __init__(self, buffer: ReplayBuffer, index: int, num_rollout: int, batch_per_shard: int, ledger: dict):
+    def __init__(
+        self, buffer: ReplayBuffer, index: int, num_rollout: int, batch_per_shard: int, ledger: dict,
+        dynamic_sampling: bool = False,
+    ):
         self.buffer = buffer
         self.index = index
         self.batch_per_shard = batch_per_shard
         self.ledger = ledger
+        self.dynamic_sampling = dynamic_sampling
+        """DAPO's dynamic sampling (reward.dynamic_sampling): a group whose rewards are all equal never enters
+        the buffer."""
         self.retired = [0] * num_rollout
+        self.filtered = [0] * num_rollout
+        """Of ``retired``, the samples filtered for carrying no signal, per rollout worker."""
         self.window = ShardWindow()
         self.awaiting_moved = 0
         """Eligible samples other shards are sending this one (``plan_moves``)."""
@@ -61,6 +72,14 @@ class TrainerShard:
         self.window.received += len(samples)
         self.window.received_tokens += sum(len(s.output_ids) for s in samples)
         self.window.received_reward += sum(s.reward for s in samples)
+        if self.dynamic_sampling and not has_signal([s.reward for s in samples]):
+            # DAPO eq. 11: zero advantage under every group baseline, no gradient. Retired at once, so the
+            # window reopens; counted as filtered, so its per-step credit comes back (no deadlock under B_max)
+            for sample in samples:
+                self._evicted_unused(sample, "no_signal")
+                if 0 <= sample.origin < len(self.filtered):
+                    self.filtered[sample.origin] += 1
+            return
         for sample in samples:  # R2: staleness from the anchor version (the finish, in async and reflow)
             if self.buffer.is_stale(sample, version):
                 self._evicted_unused(sample, "arrived_stale")
@@ -93,6 +112,7 @@ class TrainerShard:
         for sample in self.buffer.unused + self.buffer.replayable:
             sample.origin = -1
         self.retired = [0] * num_rollout
+        self.filtered = [0] * num_rollout
 
     # ---- retirement ----------------------------------------------------------------
 
@@ -104,22 +124,24 @@ class TrainerShard:
                 self.ledger["evicted_replayable"] += 1
 
     def _evicted_unused(self, sample: Sample, cause: str) -> None:
-        self._retire(sample, trained=False)
+        # a filtered sample retires (the window) but is no staleness loss: survival by length leaves it out
+        self._retire(sample, trained=False, survival=cause != "no_signal")
         self.ledger["evicted_unused"].append(sample.uid)
         self.ledger["eviction_causes"][sample.uid] = cause
         self.window.evicted[cause] += 1
 
-    def _retire(self, sample: Sample, trained: bool) -> None:
+    def _retire(self, sample: Sample, trained: bool, survival: bool = True) -> None:
         if 0 <= sample.origin < len(self.retired):
             self.retired[sample.origin] += 1
-        self.window.retired_lengths.append((len(sample.output_ids), trained))
+        if survival:
+            self.window.retired_lengths.append((len(sample.output_ids), trained))
 
     # ---- readiness and moves --------------------------------------------------------
 
     def readiness(self, version: int) -> ShardReadiness:
         ready = self.buffer.can_serve(self.batch_per_shard, version) and not self.awaiting_moved
         return ShardReadiness(
-            ready=ready, retired=tuple(self.retired),
+            ready=ready, retired=tuple(self.retired), filtered=tuple(self.filtered),
             eligible=self.buffer.num_eligible(version) + self.awaiting_moved,
             need=self.buffer.need(self.batch_per_shard),
             urgent=self.buffer.num_urgent(version),

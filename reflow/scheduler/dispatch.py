@@ -13,6 +13,14 @@ samples started with one or two limits, both over all trainer shards together, i
              upper bound B_max on the samples dispatched at each step"). Credit a step leaves unused
              expires at the next step: it never accumulates.
 
+With DAPO's dynamic sampling (reward.dynamic_sampling) a trainer shard drops a group whose rewards are all
+equal the moment it arrives: its samples are *filtered*, retired at once (evicted unused, cause "no_signal"),
+so they leave the window like any retirement. The per-step limit counts started samples *less the filtered
+ones*: a filtered sample gives its credit back, in the period in which the trainer reports it, so a step whose
+fresh share needs more than B_max x (1 - filtered fraction) starts still fills (``docs/decoupled_protocol.md``
+says why that cannot deadlock, and why the window still bounds what goes stale). Both counts, retired and
+filtered, are cumulative per rollout worker and come from the trainer's readiness exchange.
+
 Which trainer shard a group goes to is decided when it *finishes* (``reflow.scheduler.routing``), not here:
 a group is bound to the shard that needs it when it arrives, so one shard's surplus never waits out its
 staleness bound while another shard starves. Which rollout worker starts the next group is decided one of
@@ -70,10 +78,13 @@ def limit_share(limit: int, group_size: int, rollout_index: int, num_rollout: in
 
 
 class StepCredit:
-    """The per-step limit's bookkeeping: how much has started (or been granted) since the latest trainer step.
+    """The per-step limit's bookkeeping: how much has started (or been granted) since the latest trainer step,
+    less what was filtered meanwhile.
 
-    ``advance(steps_done, count)`` is told the trainer's steps with the current cumulative count; a step the
-    caller had not seen opens a new period whose base is that count, so a period's unused credit is gone."""
+    ``advance(steps_done, count)`` is told the trainer's steps with the current cumulative count (started or
+    granted, minus filtered, so a filtered sample's credit comes back); a step the caller had not seen opens a
+    new period whose base is that count, so a period's unused credit is gone. The caller passes the count
+    *before* the word's new filtered samples: those reported with a new step refund the new period."""
 
     def __init__(self, start_step: int):
         self.steps_done = start_step
@@ -94,9 +105,9 @@ class DispatchBudget:
     Fixed (the default): the worker owns a fixed share of each limit (``share_groups``). Dealt: the global
     ``GroupDispatcher`` on trainer rank 0 deals the room group by group to the workers with KV headroom, and
     the worker may start what it was granted (``grant``). Counts are in samples. ``update`` takes the
-    trainer's latest word (steps done, and how many of this worker's samples the trainer has retired, over all
-    shards); being cumulative, a late or repeated word is harmless. ``start_step`` is the step the run (or the
-    placement) started at."""
+    trainer's latest word (steps done, and how many of this worker's samples the trainer has retired and, of
+    those, filtered for carrying no signal, over all shards); being cumulative, a late or repeated word is
+    harmless. ``start_step`` is the step the run (or the placement) started at."""
 
     def __init__(
         self, rule: DispatchRule, rollout_index: int, num_rollout: int, group_size: int, start_step: int = 0,
@@ -110,12 +121,15 @@ class DispatchBudget:
         self.step_share = limit_share(rule.per_step, group_size, rollout_index, num_rollout)
         self.started = 0
         self.retired = 0
+        self.filtered = 0
+        """Of the retired samples, those dropped for carrying no signal (dynamic sampling): they refund B_max."""
         self.credit = StepCredit(start_step)
         self.granted: int | None = 0 if dealt else None
 
-    def update(self, steps_done: int, retired: int) -> None:
-        self.credit.advance(steps_done, self.started)
+    def update(self, steps_done: int, retired: int, filtered: int = 0) -> None:
+        self.credit.advance(steps_done, self.started - self.filtered)  # this word's filtered refund the new period
         self.retired = max(self.retired, retired)
+        self.filtered = max(self.filtered, filtered)
 
     def room(self) -> int:
         """Samples this worker may start now: what it was granted when dealt, else its share of each limit."""
@@ -123,7 +137,7 @@ class DispatchBudget:
             return self.granted - self.started
         room = self.retired + self.window_share - self.started
         if self.step_share is not None:
-            room = min(room, self.step_share - self.credit.used(self.started))
+            room = min(room, self.step_share - self.started_this_step)
         return room
 
     def can_start(self) -> bool:
@@ -136,7 +150,8 @@ class DispatchBudget:
 
     @property
     def started_this_step(self) -> int:
-        return self.credit.used(self.started)
+        """The per-step credit used: samples started since the latest step, less those filtered meanwhile."""
+        return self.credit.used(self.started - self.filtered)
 
     def record_start(self) -> None:
         if not self.can_start():
@@ -175,7 +190,8 @@ class GroupDispatcher:
 
     Grants are cumulative samples per worker: a worker's ``DispatchBudget(dealt=True)`` may start what it was
     granted, never more, so the totals obey the rule exactly as with fixed shares. The per-step limit counts
-    grants: at most B_max are dealt between two trainer steps, and room not dealt by the next step expires."""
+    grants less filtered samples: at most B_max net of them are dealt between two trainer steps, and room not
+    dealt by the next step expires."""
 
     def __init__(self, rule: DispatchRule, num_rollout: int, group_size: int, rho: float, start_step: int = 0):
         if not 0 < rho <= 2:
@@ -185,16 +201,20 @@ class GroupDispatcher:
         self.granted = [0] * num_rollout
         self.reports: list[WorkerReport | None] = [None] * num_rollout
         self.credit = StepCredit(start_step)
+        self.filtered = 0
+        """Samples filtered for carrying no signal, over all workers (the latest word's): they refund B_max."""
 
     def report(self, worker: int, report: WorkerReport) -> None:
         self.reports[worker] = report
 
-    def room(self, steps_done: int, retired: int) -> int:
-        """Samples all workers together may still be granted once ``retired`` of them are retired."""
-        self.credit.advance(steps_done, sum(self.granted))
+    def room(self, steps_done: int, retired: int, filtered: int = 0) -> int:
+        """Samples all workers together may still be granted once ``retired`` of them are retired, ``filtered``
+        of those for carrying no signal."""
+        self.credit.advance(steps_done, sum(self.granted) - self.filtered)  # this word's filtered refund the new period
+        self.filtered = max(self.filtered, filtered)
         room = retired + self.rule.window - sum(self.granted)
         if self.rule.per_step:
-            room = min(room, self.rule.per_step - self.credit.used(sum(self.granted)))
+            room = min(room, self.rule.per_step - self.credit.used(sum(self.granted) - self.filtered))
         return room
 
     def _pending_groups(self, worker: int) -> int:
@@ -220,10 +240,11 @@ class GroupDispatcher:
         scored = [(not fits, fraction, self._pending_groups(w), w) for w in range(self.num_rollout) for fraction, fits in [self._projected(w)]]
         return min(scored)[3]
 
-    def deal(self, steps_done: int, retired: Sequence[int]) -> list[int]:
+    def deal(self, steps_done: int, retired: Sequence[int], filtered: Sequence[int] = ()) -> list[int]:
         """Deal whatever room the rule now allows, group by group; ``retired[worker]`` are cumulative
-        retirements of each worker's samples. Returns the cumulative grants per worker."""
-        room = self.room(steps_done, sum(retired))
+        retirements of each worker's samples, ``filtered[worker]`` those of them filtered for carrying no signal
+        (empty: none). Returns the cumulative grants per worker."""
+        room = self.room(steps_done, sum(retired), sum(filtered))
         while room >= self.group_size:
             self.granted[self.choose()] += self.group_size
             room -= self.group_size
