@@ -69,3 +69,22 @@ def test_bad_config_fails_before_starting(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "training.group_size" in proc.stderr
+
+
+def test_sync_dynamic_sampling_trains_exactly_the_batch_of_groups_with_signal(tmp_path):
+    """Sync mode with DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts
+    generated until the step has exactly prompts_per_step groups with signal, on 2 ranks."""
+    dump = str(tmp_path / "run")
+    run_torchrun(2, [
+        "-m", "reflow.train", "--config", "train_configs/tiny.toml", f"--job.dump_folder={dump}",
+        "--training.prompts_per_step=8", "--training.group_size=4", "--training.steps=3",
+        "--reward.dynamic_sampling=true", "--checkpoint.export_hf=false", "--metrics.enable_tensorboard=false",
+    ])
+    rows = _rows(dump)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # a uniform group is drawn with probability ~0.3 at this policy's rewards: over 24+ groups some are
+    assert sum(r["dynamic_sampling_filtered_frac"] for r in rows) > 0
+    for r in rows:
+        assert r["num_samples"] == 32  # exactly 8 groups of 4, each with signal
+        assert 0 <= r["dynamic_sampling_rounds"] <= 8
+        assert 0 < r["reward_std"]

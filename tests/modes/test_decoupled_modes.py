@@ -192,3 +192,23 @@ def test_eval_interval_must_follow_the_weight_syncs():
     cfg = manager.parse_args(["--training.mode=async", "--weight_sync.interval=2", "--metrics.eval_interval=3"])
     with pytest.raises(ConfigError, match="metrics.eval_interval.*multiple of the weight-sync interval"):
         validate(cfg, manager.where)
+
+
+def test_reflow_dynamic_sampling_drops_uniform_groups_and_still_fills_each_batch(tmp_path):
+    """DAPO's dynamic sampling in reflow mode with B_max = the batch (1 trainer, 1 rollout rank): groups whose
+    rewards are all equal retire on arrival (eviction cause no_signal) and never train, yet every step still
+    trains a full batch with its fresh share, because filtered samples give their B_max credit back; nothing
+    is lost or duplicated."""
+    rows, ledgers = _run(
+        tmp_path, 2, "reflow", 1,
+        ["--training.steps=5", "--training.prompts_per_step=8", "--reward.dynamic_sampling=true", "--replay.sigma=0.25"],
+    )
+    assert [r["step"] for r in rows] == list(range(1, 6))
+    assert all(r["fresh_samples"] + r["replayed_samples"] == 32 and r["fresh_samples"] >= 24 for r in rows)
+    filtered = sum(r["evicted_no_signal"] for r in rows)
+    assert filtered > 0 and any(r["dynamic_sampling_filtered_frac"] > 0 for r in rows)
+    causes = collections.Counter(cause for led in ledgers for cause in led["eviction_causes"].values())
+    assert causes["no_signal"] >= filtered  # (groups that arrive after the last step's row are in the ledger only)
+    no_signal = {uid for led in ledgers for uid, cause in led["eviction_causes"].items() if cause == "no_signal"}
+    assert not no_signal & {c["uid"] for led in ledgers for c in led["consumed"]}  # a filtered sample never trains
+    assert_no_sample_lost_or_duplicated(rows, ledgers)
