@@ -1,0 +1,54 @@
+"""Each advantage estimator and each policy loss learns the tiny default task (chain_sum): a short reflow run
+(2 ranks, sigma = tau = 0.5, delta = 1, so replayed samples and the off-policy weights take part) whose
+held-out reward of the final policy is clearly above the starting policy's on the same prompts (paired: the
+rollout rank evaluates version 0 before it generates and the final version after the last weight sync, one
+sample per prompt with the same seeds). One run covers an estimator and a policy loss, so four runs cover
+both families; each pairs them with its paper's aggregation where it has one.
+
+Measured (60 steps, 512 prompts, this machine, one run each): the starting policy 0.187; the final 0.284
+(GRPO, PPO clip), 0.261 (Dr. GRPO, dual clip), 0.390 (RLOO, GSPO, seq_mean_token_mean), 0.338 (REINFORCE++,
+CISPO): rises of 0.074 to 0.203. At 30 and 40 steps the rises were 0.022 to 0.077, within about two
+standard errors of the final evaluation (512 one-sample prompts with rewards 0, 0.5, 1: about 0.015) of a
+small bound, so the runs are 60 steps. The bound, 0.02, is below a third of the smallest rise."""
+
+import json
+import os
+
+import pytest
+
+from tests.conftest import run_torchrun
+
+STEPS = 60
+EVAL_PROMPTS = 512
+RISE = 0.02
+VARIANTS = {
+    "grpo+ppo_clip": ["--advantage.estimator=grpo", "--loss.policy=ppo_clip"],
+    "dr_grpo+dual_clip": ["--advantage.estimator=dr_grpo", "--loss.policy=dual_clip"],
+    "rloo+gspo": ["--advantage.estimator=rloo", "--loss.policy=gspo", "--loss.aggregation=seq_mean_token_mean"],
+    "reinforce_pp+cispo": ["--advantage.estimator=reinforce_pp", "--loss.policy=cispo"],
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_estimator_and_policy_loss_learn(tmp_path, variant):
+    dump = str(tmp_path / "run")
+    run_torchrun(2, [
+        "-m", "reflow.train", "--config", "train_configs/tiny.toml", f"--job.dump_folder={dump}",
+        "--training.mode=reflow", "--placement.num_rollout_ranks=1", "--replay.sigma=0.5", "--replay.tau=0.5",
+        "--replay.delta=1", f"--training.steps={STEPS}", "--training.prompts_per_step=16",
+        f"--metrics.eval_interval={STEPS}", f"--metrics.eval_num_prompts={EVAL_PROMPTS}", "--checkpoint.export_hf=false",
+        "--metrics.enable_tensorboard=false", *VARIANTS[variant],
+    ])
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    evals = {r["eval_policy_version"]: r["eval_reward"] for r in rows if "eval_reward" in r}
+    assert sorted(evals) == [0, STEPS], evals
+    before, after = evals[0], evals[STEPS]
+    print(f"{variant}: held-out reward {before:.3f} -> {after:.3f} ({EVAL_PROMPTS} prompts)")
+    assert after >= before + RISE, (variant, before, after)
+    assert sum(r["replayed_samples"] for r in steps) > 0  # replay took part
+    assert all(r["staleness_max"] <= 1 for r in steps)
+    # one update a step: the clipped norm is min(norm, training.max_norm = 1)
+    assert all(r["entropy_mean"] > 0 and r["grad_norm_clipped"] <= min(r["grad_norm"], 1.0) + 1e-6 for r in steps)
