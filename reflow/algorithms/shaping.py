@@ -12,6 +12,11 @@ Learning System at Scale"), sections 3.2-3.4.
 
 from __future__ import annotations
 
+MAX_EXTRA_BATCHES = 8
+"""Dynamic sampling's patience (DAPO's max_num_gen_batches): sync mode generates at most this many extra
+rounds for a step's groups with signal; a decoupled trainer shard that receives this many batches' worth of
+samples in a row without a group with signal stops the run (its trainer would otherwise wait forever)."""
+
 
 def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:
     """R_length(y) of DAPO eq. 13 for a response of ``length`` tokens under a cap of ``max_tokens``:

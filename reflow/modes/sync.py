@@ -29,7 +29,7 @@ import time
 import torch.distributed as dist
 
 from reflow.algorithms.settings import advantage_estimator
-from reflow.algorithms.shaping import has_signal
+from reflow.algorithms.shaping import MAX_EXTRA_BATCHES, has_signal
 from reflow.dataplane.collectives import reduce_stats
 from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.rollout.groups import make_group_requests
@@ -37,7 +37,7 @@ from reflow.rollout.scoring import assign_advantages, score
 from reflow.trainer.batch import to_batch, zero_batch
 from reflow.types import Sample, WorkerStats
 
-MAX_EXTRA_ROUNDS = 8
+MAX_EXTRA_ROUNDS = MAX_EXTRA_BATCHES
 """Dynamic sampling's rounds of generation a step may add to fill its P groups (DAPO's max_num_gen_batches)."""
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from reflow.algorithms.shaping import has_signal
+from reflow.algorithms.shaping import MAX_EXTRA_BATCHES, has_signal
 from reflow.modes.ledger import EVICTION_CAUSES
 from reflow.replay import ReplayBuffer
 from reflow.replay.buffer import BatchPlan
@@ -58,6 +58,8 @@ class TrainerShard:
         self.retired = [0] * num_rollout
         self.filtered = [0] * num_rollout
         """Of ``retired``, the samples filtered for carrying no signal, per rollout worker."""
+        self.filtered_in_a_row = 0
+        """Samples filtered since the latest group with signal arrived (dynamic sampling's patience)."""
         self.window = ShardWindow()
         self.awaiting_moved = 0
         """Eligible samples other shards are sending this one (``plan_moves``)."""
@@ -79,7 +81,16 @@ class TrainerShard:
                 self._evicted_unused(sample, "no_signal")
                 if 0 <= sample.origin < len(self.filtered):
                     self.filtered[sample.origin] += 1
+            self.filtered_in_a_row += len(samples)
+            if self.filtered_in_a_row >= MAX_EXTRA_BATCHES * max(self.batch_per_shard, 1):
+                raise RuntimeError(
+                    f"reward.dynamic_sampling: trainer shard {self.index} received {self.filtered_in_a_row} samples "
+                    f"in a row ({MAX_EXTRA_BATCHES} batches' worth) whose groups' rewards were all equal: the policy "
+                    "solves every prompt or none, and no batch can fill. Set reward.dynamic_sampling = false, or give "
+                    "the task prompts of mixed difficulty"
+                )
             return
+        self.filtered_in_a_row = 0
         for sample in samples:  # R2: staleness from the anchor version (the finish, in async and reflow)
             if self.buffer.is_stale(sample, version):
                 self._evicted_unused(sample, "arrived_stale")

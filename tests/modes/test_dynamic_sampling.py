@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reflow.algorithms.shaping import MAX_EXTRA_BATCHES
 from reflow.config import ConfigError, ConfigManager
 from reflow.config.validate import validate
 from reflow.modes import sync as sync_mode
@@ -315,3 +316,16 @@ def test_sync_stops_after_the_extra_rounds_and_trains_on_what_it_kept(monkeypatc
     generated = 4 + 3 * MAX_EXTRA_ROUNDS  # a round draws only the missing three
     assert row["dynamic_sampling_filtered_frac"] == (generated - 1) / generated and ranks[0][2] == generated
     assert len(logged) == 2 and "1 of 4 groups" in logged[0]
+
+
+def test_a_shard_that_only_receives_groups_without_signal_stops_the_run_with_one_line():
+    """Eight batches' worth of uniform groups in a row (the policy solves every prompt or none) would leave the
+    trainer waiting forever: the shard raises, naming the key; a group with signal in between resets the count."""
+    receiver = shard(batch=8, num_rollout=1, dynamic_sampling=True)
+    for draw in range(MAX_EXTRA_BATCHES * 2 - 1):  # 15 groups of 4: 60 samples, below 8 x 8
+        receiver.accept_group(group(draw, 0, 0, signal=False), version=0)
+    receiver.accept_group(group(99, 0, 0, signal=True), version=0)  # signal: the count starts again
+    for draw in range(100, 100 + MAX_EXTRA_BATCHES * 2 - 1):
+        receiver.accept_group(group(draw, 0, 0, signal=False), version=0)
+    with pytest.raises(RuntimeError, match="reward.dynamic_sampling"):
+        receiver.accept_group(group(200, 0, 0, signal=False), version=0)
