@@ -6,9 +6,9 @@ Where things live:
   trainer/       FSDP2 policy trainer (loss, optimizer, HF checkpoints)
   rollout/       the embedded vLLM engine of each rank
   weight_sync/   trainer -> rollout weight transfer (bucketed broadcast)
-  algorithms/    GRPO math (advantages, clipped reweighted token loss)
+  algorithms/    the algorithm menu: advantage estimators, policy losses, aggregations, corrections
   tasks/         reward environments (chain_sum, ...)
-  modes/         training loops: sync (more in later issues)
+  modes/         training loops: sync, one_step_off, async, reflow
   metrics/       console, metrics.jsonl, TensorBoard
   distributed/   placement, meshes, process groups
 """

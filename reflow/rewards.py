@@ -1,6 +1,6 @@
 """A sample's reward: the task's reward functions, weighted, plus DAPO's overlong shaping.
 
-    reward = sum_k weight_k * f_k(problem, response)  -  overlong_penalty * |R_length(model tokens)|
+    reward = sum_k weight_k * f_k(problem, response)  -  overlong_penalty * |R_length(response tokens)|
 
 ``reward.functions`` names the functions: 'task' is the task's own ``reward``; a task may offer more
 through ``reward_functions()`` (name -> function of the problem and the response text), such as
@@ -54,13 +54,22 @@ class RewardMix:
 
     @property
     def part_names(self) -> list[str]:
+        """Every part a sample's ``reward_parts`` holds."""
         return list(self.functions) + (["overlong"] if self.overlong_buffer > 0 else [])
 
-    def score(self, problem: Problem, response: str, model_tokens: int) -> tuple[float, dict[str, float]]:
-        """(the reward, each part before its weight: the functions' values and the overlong term)."""
+    def score(self, problem: Problem, response: str, response_tokens: int) -> tuple[float, dict[str, float]]:
+        """(the reward, each part before its weight: the functions' values and the overlong term).
+        ``response_tokens``: every token of the response, the environment's included, as the length cap
+        (rollout.max_new_tokens) counts them."""
         parts = {name: float(function(problem, response)) for name, function in self.functions.items()}
         total = sum(self.weights[name] * value for name, value in parts.items())
         if self.overlong_buffer > 0:
-            parts["overlong"] = self.overlong_scale * overlong_penalty(model_tokens, self.max_tokens, self.overlong_buffer)
+            parts["overlong"] = self.overlong_scale * overlong_penalty(response_tokens, self.max_tokens, self.overlong_buffer)
             total += parts["overlong"]
         return total, parts
+
+
+def outcome_reward(sample) -> float:
+    """A sample's reward without the overlong shaping: what DAPO's dynamic sampling asks to differ within a
+    group (its accuracy), so a group of wrong answers is not kept for a length penalty alone."""
+    return sample.reward - (sample.reward_parts or {}).get("overlong", 0.0)

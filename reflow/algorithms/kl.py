@@ -9,9 +9,10 @@ KL Divergence"), each estimates KL(new || ref) per token:
 
 ``in_loss``: beta k_t is added to each token's loss (GRPO), with its gradient. ``in_reward``: the detached
 -beta k_t is a per-token reward (Ziegler et al. 2019; Ouyang et al. 2022; REINFORCE++), so token t's
-advantage becomes A_i - beta sum_{s >= t} k_s (the penalty's return-to-go, no discount). The reference
+advantage becomes A_i - beta sum_{s >= t} k_s (the penalty's return-to-go, no discount), with k from the
+log-probs at the start of the step, so every update of the step has the same target. The reference
 log-probs exist only on the trainer, so the reward form shapes the advantage there, after the group (and
-batch) normalization the task's reward went through.
+batch) normalization the task's reward went through (REINFORCE++ shapes the reward before normalizing).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def reward_to_go(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def kl_shaped_advantages(
-    advantages: torch.Tensor, logp_new: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, coef: float,
-    estimator: str = "k1",
+    advantages: torch.Tensor, logp_policy: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, coef: float,
+    estimator: str = "k3",
 ) -> torch.Tensor:
-    """A_it = A_i - beta sum_{s >= t} k_s with k detached: the KL penalty as a per-token reward. (B,) -> (B, T)"""
-    penalty = kl_estimate(logp_new.detach(), logp_ref, estimator)
+    """A_it = A_i - beta sum_{s >= t} k_s with k detached: the KL penalty as a per-token reward, k of
+    ``logp_policy`` (the trainer passes the step-start log-probs) against the reference. (B,) -> (B, T)"""
+    penalty = kl_estimate(logp_policy.detach(), logp_ref, estimator)
     return advantages[:, None] - coef * reward_to_go(penalty, mask)

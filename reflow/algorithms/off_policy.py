@@ -14,9 +14,9 @@ multiplies the policy loss:
                                                           is the sequence's true likelihood ratio)
     token_mask     rho_it where low <= rho_it <= high,    masked IS (MIS, Yao et al. 2025): a token outside
                    the token dropped otherwise            the band leaves the loss and its denominator
-    sequence_mask  prod_t rho_it's band decides for the   sequence-level MIS (Liu et al. 2025, "When Speed
-                   whole sequence; weight 1 inside        Kills Stability"): a sequence outside the band
-                                                          leaves the loss
+    sequence_mask  prod_t rho_it where the product is in  sequence-level MIS (Liu et al. 2025, "When Speed
+                   the band, the sequence dropped         Kills Stability"): a sequence outside the band
+                   otherwise                              leaves the loss
     none           1
 
 A masking correction changes which tokens train, so its mask is applied to the loss mask before the
@@ -84,6 +84,8 @@ class OffPolicyCorrection:
             return torch.exp(log_rho).detach()[:, None].expand_as(mask)
         if self.name == "token_mask":
             return torch.exp(_log_rho(logp_old, logp_behavior, mask)).detach()
+        if self.name == "sequence_mask":
+            return torch.exp(sequence_log_rho(logp_old, logp_behavior, mask)).detach()[:, None].expand_as(mask)
         return torch.ones_like(mask)
 
 

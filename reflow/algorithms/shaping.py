@@ -3,9 +3,11 @@ Learning System at Scale"), sections 3.2-3.4.
 
   ``overlong_penalty``  soft overlong punishment (eq. 13): a response that runs into the last
                         ``buffer`` tokens before the length cap L loses reward linearly, reaching -1 at L
-  ``has_signal``        dynamic sampling (eq. 11): a group whose rewards are all equal has zero advantage
-                        under every group baseline, so it carries no gradient; it is dropped and generation
-                        goes on until the batch's fresh share is filled
+  ``has_signal``        dynamic sampling (eq. 11): a group whose outcome rewards (the reward before the
+                        overlong shaping, ``reflow.rewards.outcome_reward``) are all equal has zero advantage
+                        under every group baseline (GRPO, Dr. GRPO, RLOO, REINFORCE++ with its group
+                        baseline), so it carries no gradient; it is dropped and generation goes on until the
+                        batch's fresh share is filled
   overlong filtering    (section 3.3) truncated samples are masked out of the loss: ``loss.mask_truncated``,
                         applied where the batch is packed
 """

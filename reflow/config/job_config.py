@@ -221,7 +221,8 @@ class KLSection:
 @dataclass
 class OffPolicySection:
     """The correction against the engine's behaviour log-probs (``reflow.algorithms.off_policy``): staleness and
-    engine mismatch. The mismatch is logged every step (behavior_kl, behavior_k3_kl, max_abs_logprob_diff)."""
+    engine mismatch. The mismatch is logged every step (behavior_logprob_gap, behavior_logprob_gap_max,
+    behavior_k3_kl)."""
 
     correction: str = limited("token_tis", choices=("token_tis", "sequence_tis", "token_mask", "sequence_mask", "none"))
     """'token_tis' / 'sequence_tis': truncated importance weight per token / of the sequence; 'token_mask' /

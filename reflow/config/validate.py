@@ -46,6 +46,13 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
             "and a dropped group's replacement starts under the next policy, so the step would wait for it forever "
             "(docs/decoupled_protocol.md)",
         )
+    if cfg.reward.dynamic_sampling and cfg.advantage.estimator == "reinforce_pp" and not cfg.advantage.group_baseline:
+        fail(
+            "reward.dynamic_sampling",
+            "drops groups whose rewards are all equal, but with advantage.estimator = 'reinforce_pp' and "
+            "advantage.group_baseline = false such a group has a nonzero advantage (it is whitened against the "
+            "batch, not its group): set advantage.group_baseline = true or turn dynamic sampling off",
+        )
     if t.mode != "sync" and cfg.metrics.eval_interval > 0:
         from reflow.config.mode_settings import resolve_settings
 

@@ -279,7 +279,7 @@ class ModeBase:
             "samples": len(samples),
             "response_tokens": sum(len(s.output_ids) for s in samples),
             "trainer_tokens": sum(len(s.prompt_ids) + len(s.output_ids) for s in trained),
-            "solved": sum(1 for r in rewards if r >= 1.0),
+            "solved": sum(1 for s in samples if (s.reward_parts or {}).get("task", s.reward) >= 1.0),
             "truncated": sum(1 for s in samples if s.finish_reason == "length"),
             "tool_calls": sum(s.tool_calls for s in samples),
             "tool_s": sum(s.tool_s for s in samples),

@@ -1,4 +1,4 @@
-"""``sync``: on-policy, colocated GRPO. The baseline every other mode is compared with.
+"""``sync``: on-policy and colocated. The baseline every other mode is compared with.
 
 Every rank is both a trainer shard and a rollout engine. Each step:
 
@@ -32,6 +32,7 @@ from reflow.algorithms.settings import advantage_estimator
 from reflow.algorithms.shaping import MAX_EXTRA_BATCHES, has_signal
 from reflow.dataplane.collectives import reduce_stats
 from reflow.modes.base import Components, ModeBase, StepTimer
+from reflow.rewards import outcome_reward
 from reflow.rollout.groups import make_group_requests
 from reflow.rollout.scoring import assign_advantages, score
 from reflow.trainer.batch import to_batch, zero_batch
@@ -149,7 +150,7 @@ class SyncMode(ModeBase):
             local: dict[int, list[Sample]] = {}
             for sample in samples:
                 local.setdefault(sample.draw, []).append(sample)
-            flags = [int(draw in local and has_signal([s.reward for s in local[draw]])) for draw in draws]
+            flags = [int(draw in local and has_signal([outcome_reward(s) for s in local[draw]])) for draw in draws]
             with timer("gen"):  # the ranks agree on what was kept (a faster rank waits here: generation time)
                 summed = reduce_stats({"signal": flags}, self.trainer_group)["signal"]
             generated += len(draws)

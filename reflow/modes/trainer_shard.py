@@ -26,6 +26,7 @@ from reflow.algorithms.shaping import MAX_EXTRA_BATCHES, has_signal
 from reflow.modes.ledger import EVICTION_CAUSES
 from reflow.replay import ReplayBuffer
 from reflow.replay.buffer import BatchPlan
+from reflow.rewards import outcome_reward
 from reflow.scheduler.routing import Move
 from reflow.types import Sample, ShardReadiness
 
@@ -74,7 +75,7 @@ class TrainerShard:
         self.window.received += len(samples)
         self.window.received_tokens += sum(len(s.output_ids) for s in samples)
         self.window.received_reward += sum(s.reward for s in samples)
-        if self.dynamic_sampling and not has_signal([s.reward for s in samples]):
+        if self.dynamic_sampling and not has_signal([outcome_reward(s) for s in samples]):
             # DAPO eq. 11: zero advantage under every group baseline, no gradient. Retired at once, so the
             # window reopens; counted as filtered, so its per-step credit comes back (no deadlock under B_max)
             for sample in samples:

@@ -29,7 +29,7 @@ def trajectory_reward(task: Task, tok: "PromptTokenizer", req: "Request", reward
     if rewards is None:
         req.reward = task.reward(req.meta["problem"], text)
     else:
-        req.reward, req.reward_parts = rewards.score(req.meta["problem"], text, len(req.logprobs))
+        req.reward, req.reward_parts = rewards.score(req.meta["problem"], text, len(req.output_ids))
 
 
 def score(requests: list[Request], task: Task, tok: PromptTokenizer, rewards: "RewardMix | None" = None) -> list[Sample]:

@@ -467,12 +467,19 @@ class PolicyTrainer:
             old_lps = [None] * len(segments)
         else:
             old_lps = self._segment_logprobs(segments)
-        dropped = torch.zeros(2, dtype=torch.float64)  # [loss tokens dropped by the correction, loss tokens]
+        # a masking correction: [loss tokens dropped, loss tokens, and the engine mismatch over every loss token
+        # before the drop (log-ratio sum, K3 sum), the outliers the mask drops included]
+        dropped = torch.zeros(4, dtype=torch.float64)
+        dropped_max = torch.zeros(1, dtype=torch.float64)
         if self.correction.masks:
             kept = []
             for seg, old in zip(segments, old_lps):
                 keep = seg.loss_mask * self.correction.drop_mask(old, seg.behavior_logprobs, seg.loss_mask)
-                dropped += torch.tensor([(seg.loss_mask.sum() - keep.sum()).item(), seg.loss_mask.sum().item()], dtype=torch.float64)
+                gap = mismatch(old, seg.behavior_logprobs, seg.loss_mask)
+                dropped += torch.tensor(
+                    [(seg.loss_mask.sum() - keep.sum()).item(), gap.tokens, gap.log_ratio_sum, gap.k3_sum], dtype=torch.float64
+                )
+                dropped_max[0] = max(dropped_max[0].item(), gap.max_abs)
                 kept.append(replace(seg, loss_mask=keep))
             segments = kept
         ref_lps = self._segment_logprobs(segments, self.ref_model) if self.ref_model is not None else [None] * len(segments)
@@ -505,10 +512,14 @@ class PolicyTrainer:
                     totals += torch.tensor([stats[k] for k in _STAT_KEYS], dtype=torch.float64)
         dist.all_reduce(totals, group=self.group)
         dist.all_reduce(max_diff, op=dist.ReduceOp.MAX, group=self.group)
-        if self.correction.masks:
-            dist.all_reduce(dropped, group=self.group)
         total = dict(zip(_STAT_KEYS, totals.tolist()))
         tokens = max(total["tokens"], 1.0)
+        gap_tokens, gap_max = tokens, max_diff.item()
+        if self.correction.masks:  # the mismatch over the tokens before the mask dropped the outliers
+            dist.all_reduce(dropped, group=self.group)
+            dist.all_reduce(dropped_max, op=dist.ReduceOp.MAX, group=self.group)
+            gap_tokens, gap_max = max(dropped[1].item(), 1.0), dropped_max.item()
+            total["behavior_kl"], total["behavior_k3"] = dropped[2].item(), dropped[3].item()
         return StepStats(
             loss=total["loss"] / training.num_minibatches,
             num_tokens=int(total["tokens"]),
@@ -520,9 +531,9 @@ class PolicyTrainer:
             is_weight_mean=total["is_weight"] / tokens,
             kl_ref=total["kl"] / tokens,
             entropy=total["entropy"] / tokens,
-            behavior_kl=total["behavior_kl"] / tokens,
-            behavior_k3_kl=total["behavior_k3"] / tokens,
-            max_abs_logprob_diff=max_diff.item(),
+            behavior_kl=total["behavior_kl"] / gap_tokens,
+            behavior_k3_kl=total["behavior_k3"] / gap_tokens,
+            max_abs_logprob_diff=gap_max,
             off_policy_dropped_frac=dropped[0].item() / max(dropped[1].item(), 1.0),
             skipped_updates=skipped,
         )
@@ -591,8 +602,8 @@ class PolicyTrainer:
         ref_lp = ref_lp.to(self.device) if ref_lp is not None else None
         mask = mb.loss_mask
         advantages = mb.advantages
-        if kl.coef > 0 and kl.placement == "reward":
-            advantages = kl_shaped_advantages(advantages, new_lp, ref_lp, mask, kl.coef, kl.estimator)
+        if kl.coef > 0 and kl.placement == "reward":  # a reward fixed for the step: from the step-start log-probs
+            advantages = kl_shaped_advantages(advantages, old_lp, ref_lp, mask, kl.coef, kl.estimator)
         policy = self.policy_loss(new_lp, old_lp, advantages, mask)
         off_policy = self.correction.weights(old_lp, mb.behavior_logprobs, mask)
         token_loss = off_policy * policy.loss

@@ -2,7 +2,7 @@
 rho_t = exp(logp_old - logp_behavior): token_tis caps each token's rho at C, sequence_tis puts the capped
 product of a sequence's rhos on every token, token_mask drops exactly the tokens whose rho leaves
 [low, high] and keeps weight rho on the others, sequence_mask drops whole sequences whose product leaves the
-band (weight 1 inside), none is 1. Masked tokens never enter a product, huge log-ratios stay finite, the
+band (weight the product inside), none is 1. Masked tokens never enter a product, huge log-ratios stay finite, the
 weights are detached, and the mismatch statistics (mean log-ratio, max, K3 of KL(behavior || trainer)) are
 checked by hand."""
 
@@ -81,12 +81,13 @@ def test_token_mask_drops_exactly_the_tokens_outside_the_band():
 
 def test_sequence_mask_drops_whole_sequences():
     # products 1.5 (in [0.5, 2]: kept), 3.0 (out: whole row dropped), 0.375 (out: dropped), 1.0 (kept);
-    # weight 1 on every token
+    # a kept sequence's every token is weighted by its product (sequence-level MIS)
     old, beh = _pair(RHOS)
     corr = OffPolicyCorrection("sequence_mask", band_low=0.5, band_high=2.0)
     keep = corr.drop_mask(old, beh, MASK)
     assert keep.tolist() == [[1.0] * 3, [0.0] * 3, [0.0] * 3, [1.0] * 3]
-    assert torch.equal(corr.weights(old, beh, MASK), torch.ones_like(MASK))
+    weights = corr.weights(old, beh, MASK)
+    assert weights[0].tolist() == pytest.approx([1.5] * 3) and weights[3].tolist() == pytest.approx([1.0] * 3)
     assert corr.masks
     # row 0 has tokens outside the token band (2.5, 0.4), yet the sequence is kept: the decision is the product's
     assert OffPolicyCorrection("token_mask").drop_mask(old, beh, MASK)[0].tolist() == [0.0, 1.0, 0.0]

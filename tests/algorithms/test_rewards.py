@@ -43,7 +43,7 @@ def test_available_functions():
 def test_parts_by_hand_with_default_weights(response, parts):
     mix = RewardMix.build(TASK, _section(["task", "answer", "steps", "format"]), max_tokens=10)
     assert mix.weights == {"task": 1.0, "answer": 1.0, "steps": 1.0, "format": 1.0}
-    total, got = mix.score(PROBLEM, response, model_tokens=3)
+    total, got = mix.score(PROBLEM, response, response_tokens=3)
     assert got == pytest.approx(parts)
     assert total == pytest.approx(sum(parts.values()))
     assert mix.part_names == ["task", "answer", "steps", "format"]
@@ -52,7 +52,7 @@ def test_parts_by_hand_with_default_weights(response, parts):
 def test_weighted_sum_by_hand():
     # "7,10": answer 1, steps 0.5, format 1 -> 0.6 x 1 + 0.3 x 0.5 + 0.1 x 1 = 0.85; parts before their weights
     mix = RewardMix.build(TASK, _section(["answer", "steps", "format"], [0.6, 0.3, 0.1]), max_tokens=10)
-    total, parts = mix.score(PROBLEM, "7,10", model_tokens=3)
+    total, parts = mix.score(PROBLEM, "7,10", response_tokens=3)
     assert total == pytest.approx(0.85)
     assert parts == pytest.approx({"answer": 1.0, "steps": 0.5, "format": 1.0})
 
@@ -62,17 +62,17 @@ def test_overlong_shaping_by_hand():
     # "8,10" with answer at weight 2 -> 2 x 1 - 0.25 = 1.75. At the cap: 2 - 0.5 = 1.5. Short: 2.
     mix = RewardMix.build(TASK, _section(["answer"], [2.0], overlong_buffer=4, overlong_penalty=0.5), max_tokens=10)
     assert mix.part_names == ["answer", "overlong"]
-    total, parts = mix.score(PROBLEM, "8,10", model_tokens=8)
+    total, parts = mix.score(PROBLEM, "8,10", response_tokens=8)
     assert total == pytest.approx(1.75)
     assert parts == pytest.approx({"answer": 1.0, "overlong": -0.25})
-    assert mix.score(PROBLEM, "8,10", model_tokens=10)[0] == pytest.approx(1.5)
-    total, parts = mix.score(PROBLEM, "8,10", model_tokens=6)
+    assert mix.score(PROBLEM, "8,10", response_tokens=10)[0] == pytest.approx(1.5)
+    total, parts = mix.score(PROBLEM, "8,10", response_tokens=6)
     assert total == pytest.approx(2.0) and parts["overlong"] == 0.0
 
 
 def test_no_buffer_no_overlong_part():
     mix = RewardMix.build(TASK, _section(["task"]), max_tokens=10)
-    total, parts = mix.score(PROBLEM, "8,10", model_tokens=50)
+    total, parts = mix.score(PROBLEM, "8,10", response_tokens=50)
     assert total == 1.0 and parts == {"task": 1.0}
     assert mix.part_names == ["task"]
 

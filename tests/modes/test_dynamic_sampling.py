@@ -329,3 +329,21 @@ def test_a_shard_that_only_receives_groups_without_signal_stops_the_run_with_one
         receiver.accept_group(group(draw, 0, 0, signal=False), version=0)
     with pytest.raises(RuntimeError, match="reward.dynamic_sampling"):
         receiver.accept_group(group(200, 0, 0, signal=False), version=0)
+
+
+def test_reinforce_pp_without_a_group_baseline_rejects_dynamic_sampling():
+    """Whitened against the batch, a group of equal rewards has a nonzero advantage: dropping it would be wrong."""
+    args = ["--reward.dynamic_sampling=true", "--advantage.estimator=reinforce_pp", "--advantage.group_baseline=false"]
+    with pytest.raises(ConfigError, match="advantage.group_baseline"):
+        validate(ConfigManager().parse_args(args))
+    validate(ConfigManager().parse_args(args[:2]))  # with its group baseline it is fine
+
+
+def test_a_group_differing_only_in_the_overlong_penalty_is_dropped():
+    """DAPO filters on the outcome (accuracy): four wrong answers, one of them in the overlong buffer, carry no
+    signal about the answer, though their shaped rewards differ."""
+    samples = group(7, 0, 0, signal=False)
+    samples[0].reward, samples[0].reward_parts = -0.5, {"task": 0.0, "overlong": -0.5}
+    receiver = shard(batch=8, num_rollout=1, dynamic_sampling=True)
+    receiver.accept_group(samples, version=0)
+    assert len(receiver.buffer) == 0 and receiver.filtered == [4]
