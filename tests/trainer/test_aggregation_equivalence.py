@@ -20,6 +20,7 @@ def test_micro_batches_and_ranks_give_the_big_batch_gradient(tmp_path):
     assert set(report) == {
         "token_mean/ppo_clip", "seq_mean_token_mean/ppo_clip", "seq_mean_token_sum/ppo_clip", "token_sum_norm/ppo_clip",
         "seq_mean_token_mean/gspo", "token_sum_norm/cispo",
+        "token_mean/ppo_clip/kl_reward+token_mask+entropy", "seq_mean_token_mean/dual_clip/kl_k2_loss+sequence_tis+warmup",
     }
     for case, figures in report.items():
         whole, split = figures["grad_norm"]
@@ -28,6 +29,12 @@ def test_micro_batches_and_ranks_give_the_big_batch_gradient(tmp_path):
         assert figures["loss"][1] == pytest.approx(figures["loss"][0], rel=1e-5, abs=1e-7), case
         # every gradient element, to float32 rounding of the largest
         assert figures["grad_max_diff"] <= 1e-5 * figures["grad_max_abs"], case
+    masked = report["token_mean/ppo_clip/kl_reward+token_mask+entropy"]
+    assert 0 < masked["dropped"][0] == masked["dropped"][1] < 1  # the band dropped some tokens, alike
+    assert masked["entropy"] > 0 and masked["kl"] == 0.0  # the reference is the starting policy: no KL yet
+    warm = report["seq_mean_token_mean/dual_clip/kl_k2_loss+sequence_tis+warmup"]
+    assert warm["lr"] == [5e-4, 5e-4]  # update 0 of a 2-update warmup: lr / 2
+    assert report["token_mean/ppo_clip"]["lr"] == [1e-3, 1e-3]
     # the aggregations are different losses: their gradients differ
     norms = {case: figures["grad_norm"][0] for case, figures in report.items()}
     assert norms["token_mean/ppo_clip"] != pytest.approx(norms["seq_mean_token_mean/ppo_clip"], rel=1e-2)

@@ -46,13 +46,27 @@ def global_batch():
     return batch
 
 
-def run(aggregation: str, policy: str, split: bool) -> dict:
+EXTRAS = {
+    # the other trainer paths, which must compose across micro-batches and ranks as well: the KL penalty as a
+    # reward (the reference model on), masked IS (old log-probs scored before the update), an entropy bonus,
+    # a KL in the loss with k2 and sequence-level truncated IS, and a warmup (the first update at lr / 2)
+    "kl_reward+token_mask+entropy": {"kl.coef": 0.05, "kl.placement": "reward", "off_policy.correction": "token_mask",
+                                     "off_policy.band_low": 0.2, "off_policy.band_high": 5.0, "loss.entropy_coef": 0.01},
+    "kl_k2_loss+sequence_tis+warmup": {"kl.coef": 0.05, "kl.estimator": "k2", "off_policy.correction": "sequence_tis",
+                                       "training.warmup_steps": 2},
+}
+
+
+def run(aggregation: str, policy: str, split: bool, extras: dict | None = None) -> dict:
     cfg = JobConfig()
     cfg.training.lr = 1e-3
     cfg.training.max_norm = 0.0  # the update sees the raw gradient
     cfg.loss.aggregation, cfg.loss.policy = aggregation, policy
     cfg.off_policy.cap = 10.0
     cfg.training.micro_batch_size = 2 if split else ROWS
+    for dotted, value in (extras or {}).items():
+        section, key = dotted.split(".")
+        setattr(getattr(cfg, section), key, value)
     trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
     batch = global_batch()
     if split:  # rows 0, 2, 4, 6 on rank 0 and 1, 3, 5, 7 on rank 1: two micro-batches each
@@ -68,14 +82,21 @@ def run(aggregation: str, policy: str, split: bool) -> dict:
 
     trainer.optimizer.step = record_then_step
     stats = trainer.train_step(mine)
-    return {"loss": stats.loss, "grad_norm": stats.grad_norm, "grad": grads[0]}
+    return {"loss": stats.loss, "grad_norm": stats.grad_norm, "grad": grads[0], "lr": stats.lr,
+            "dropped": stats.off_policy_dropped_frac, "entropy": stats.entropy, "kl": stats.kl_ref}
 
 
 report = {}
-cases = [(name, "ppo_clip") for name in AGGREGATIONS] + [("seq_mean_token_mean", "gspo"), ("token_sum_norm", "cispo")]
-for aggregation, policy in cases:
-    whole, split = run(aggregation, policy, False), run(aggregation, policy, True)
-    report[f"{aggregation}/{policy}"] = {
+cases = [(name, "ppo_clip", None) for name in AGGREGATIONS] + [
+    ("seq_mean_token_mean", "gspo", None), ("token_sum_norm", "cispo", None),
+    ("token_mean", "ppo_clip", "kl_reward+token_mask+entropy"), ("seq_mean_token_mean", "dual_clip", "kl_k2_loss+sequence_tis+warmup"),
+]
+for aggregation, policy, extra in cases:
+    whole = run(aggregation, policy, False, EXTRAS.get(extra))
+    split = run(aggregation, policy, True, EXTRAS.get(extra))
+    report[f"{aggregation}/{policy}" + (f"/{extra}" if extra else "")] = {
+        "lr": [whole["lr"], split["lr"]], "dropped": [whole["dropped"], split["dropped"]],
+        "entropy": whole["entropy"], "kl": whole["kl"],
         "loss": [whole["loss"], split["loss"]],
         "grad_norm": [whole["grad_norm"], split["grad_norm"]],
         "grad_max_abs": whole["grad"].abs().max().item(),
