@@ -30,13 +30,16 @@ def _rows(dump: str) -> dict[int, dict]:
 
 def test_sync_six_steps_straight_equal_three_resume_three(tmp_path):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    _train(straight, 6)
-    _train(resumed, 3, "--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.export_hf=false")
-    _train(resumed, 6, "--checkpoint.enable=true", "--checkpoint.interval=3")
+    # a learning-rate warmup that straddles the checkpoint: the resumed run continues it from the saved update count
+    warmup = "--training.warmup_steps=4"
+    _train(straight, 6, warmup)
+    _train(resumed, 3, warmup, "--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.export_hf=false")
+    _train(resumed, 6, warmup, "--checkpoint.enable=true", "--checkpoint.interval=3")
     a, b = _rows(straight), _rows(resumed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):  # the same sample stream: rewards and lengths step by step
         assert (a[step]["reward_mean"], a[step]["response_len_mean"]) == (b[step]["reward_mean"], b[step]["response_len_mean"]), step
+        assert a[step]["lr"] == b[step]["lr"] == 3e-4 * min(step / 4, 1.0), step
     final_a = load_file(os.path.join(straight, "hf_final", "model.safetensors"))
     final_b = load_file(os.path.join(resumed, "hf_final", "model.safetensors"))
     assert final_a.keys() == final_b.keys()
