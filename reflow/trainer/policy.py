@@ -68,19 +68,19 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def _head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float) -> torch.Tensor:
-    return token_logprobs(head(hidden), targets, temperature)
-
-
-def _head_logprobs_entropy(
-    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, entropy_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(hidden).float()
+def _head_terms(
+    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, entropy: str
+) -> tuple[torch.Tensor, ...]:
+    """One chunk: (log-probs,) or, with ``entropy`` 'logged' / 'trained', (log-probs, entropy)."""
+    logits = head(hidden)
+    if entropy == "none":
+        return (token_logprobs(logits, targets, temperature),)
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-    return picked - torch.logsumexp(logits, dim=-1), entropy
+    spread = entropy_from_logits(logits if entropy == "trained" else logits.detach())
+    return picked - torch.logsumexp(logits, dim=-1), spread
 
 
 def chunked_token_logprobs(
@@ -95,46 +95,19 @@ def chunked_token_logprobs(
 
     ``entropy`` 'logged' (detached) or 'trained' (with gradients, an entropy bonus): also each token's entropy
     under the same softmax, (B, T), from the same chunk's logits (one more chunk x vocabulary fp32 copy)."""
-    if entropy != "none":
-        return _chunked_with_entropy(hidden, targets, head, temperature, chunk_tokens, entropy == "trained")
     batch, length = targets.shape
     flat_hidden, flat_targets = hidden.reshape(batch * length, -1), targets.reshape(batch * length)
     size = chunk_tokens if chunk_tokens > 0 else max(batch * length, 1)
     keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    parts = []
+    chunks = []
     for start in range(0, batch * length, size):
-        piece, piece_targets = flat_hidden[start:start + size], flat_targets[start:start + size]
-        if keep_graph:
-            parts.append(checkpoint(
-                _head_logprobs, piece, piece_targets, head, temperature, use_reentrant=False,
-            ))
-        else:
-            parts.append(_head_logprobs(piece, piece_targets, head, temperature))
-    return torch.cat(parts).reshape(batch, length) if parts else flat_targets.new_zeros((batch, length), dtype=torch.float32)
-
-
-def _chunked_with_entropy(
-    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, chunk_tokens: int,
-    entropy_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, length = targets.shape
-    flat_hidden, flat_targets = hidden.reshape(batch * length, -1), targets.reshape(batch * length)
-    size = chunk_tokens if chunk_tokens > 0 else max(batch * length, 1)
-    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    logps, entropies = [], []
-    for start in range(0, batch * length, size):
-        piece, piece_targets = flat_hidden[start:start + size], flat_targets[start:start + size]
-        args = (piece, piece_targets, head, temperature, entropy_grad)
-        if keep_graph:
-            lp, ent = checkpoint(_head_logprobs_entropy, *args, use_reentrant=False)
-        else:
-            lp, ent = _head_logprobs_entropy(*args)
-        logps.append(lp)
-        entropies.append(ent)
-    if not logps:
-        empty = flat_targets.new_zeros((batch, length), dtype=torch.float32)
-        return empty, empty.clone()
-    return torch.cat(logps).reshape(batch, length), torch.cat(entropies).reshape(batch, length)
+        args = (flat_hidden[start:start + size], flat_targets[start:start + size], head, temperature, entropy)
+        chunks.append(checkpoint(_head_terms, *args, use_reentrant=False) if keep_graph else _head_terms(*args))
+    if chunks:
+        outputs = [torch.cat(column).reshape(batch, length) for column in zip(*chunks)]
+    else:
+        outputs = [flat_targets.new_zeros((batch, length), dtype=torch.float32) for _ in range(1 if entropy == "none" else 2)]
+    return outputs[0] if entropy == "none" else (outputs[0], outputs[1])
 
 
 @dataclass

@@ -30,6 +30,28 @@ def test_chunked_logprobs_equal_the_whole_computation_and_its_gradients(chunk):
     torch.testing.assert_close(head.weight.grad, grads_whole[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [0, 1, 7, 24])
+def test_chunked_entropy_equals_the_whole_softmax_and_trains_only_when_asked(chunk):
+    """The entropy from each chunk's logits equals H = logsumexp(z) - sum softmax(z) z of the whole tensor;
+    'trained' carries its gradient (an entropy bonus), 'logged' does not."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(3, 8, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 8))
+    logits = head(hidden).float() / 0.7
+    whole = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    whole.sum().backward()
+    grad_whole = hidden.grad.clone()
+    hidden.grad = None
+    logps, entropy = chunked_token_logprobs(hidden, targets, head, 0.7, chunk, entropy="trained")
+    torch.testing.assert_close(logps, token_logprobs(head(hidden), targets, 0.7), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy, whole, rtol=1e-6, atol=1e-6)
+    entropy.sum().backward()
+    torch.testing.assert_close(hidden.grad, grad_whole, rtol=1e-5, atol=1e-6)
+    _, logged = chunked_token_logprobs(hidden, targets, head, 0.7, chunk, entropy="logged")
+    assert not logged.requires_grad
+
+
 def test_chunked_logprobs_without_gradients_keep_no_graph():
     head = torch.nn.Linear(4, 10, bias=False)
     with torch.no_grad():
