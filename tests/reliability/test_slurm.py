@@ -136,6 +136,10 @@ def slurm(tmp_path):
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        # and whatever daemon of this test's config is left (a slurmd whose pid file came after the node went
+        # idle outlived a passing run and held the port, so the next run's job never started): each was started
+        # with -f and this test's own config path
+        subprocess.run(["pkill", "-TERM", "-f", str(conf)], capture_output=True, timeout=30)
 
 
 def test_the_rendered_job_trains_on_a_real_slurm(tmp_path, slurm):
