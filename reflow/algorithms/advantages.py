@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+from reflow.algorithms.names import ESTIMATORS, check_choice
 
 
 def _per_group(rewards: torch.Tensor, group_ids: torch.Tensor, fn) -> torch.Tensor:
@@ -86,8 +86,7 @@ class AdvantageEstimator:
     """REINFORCE++ only: subtract the group mean before the batch normalization (REINFORCE++-baseline)."""
 
     def __post_init__(self):
-        if self.name not in ESTIMATORS:
-            raise ValueError(f"unknown advantage estimator {self.name!r} (known: {', '.join(ESTIMATORS)})")
+        check_choice("advantage estimator", self.name, ESTIMATORS)
 
     def group_stage(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
         if self.name == "grpo":

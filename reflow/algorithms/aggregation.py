@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+from reflow.algorithms.names import AGGREGATIONS, check_choice
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,7 @@ class Aggregation:
     """L of ``token_sum_norm``: the constant each sequence's token sum is divided by."""
 
     def __post_init__(self):
-        if self.name not in AGGREGATIONS:
-            raise ValueError(f"unknown loss aggregation {self.name!r} (known: {', '.join(AGGREGATIONS)})")
+        check_choice("loss aggregation", self.name, AGGREGATIONS)
 
     def sample_scale(self, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """c_i. mask (B, T), weights (B,) -> (B,)"""

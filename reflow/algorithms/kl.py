@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_PLACEMENTS = ("loss", "reward")
+from reflow.algorithms.names import KL_ESTIMATORS, check_choice
 
 
 def kl_estimate(logp_new: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token KL(new || ref) estimate, (B, T), with gradients through ``logp_new``."""
+    check_choice("KL estimator", estimator, KL_ESTIMATORS)
     d = logp_ref - logp_new
     if estimator == "k1":
         return -d
     if estimator == "k2":
         return 0.5 * d * d
-    if estimator == "k3":
-        return torch.exp(d) - d - 1.0
-    raise ValueError(f"unknown KL estimator {estimator!r} (known: {', '.join(KL_ESTIMATORS)})")
+    return torch.exp(d) - d - 1.0
 
 
 def reward_to_go(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-CORRECTIONS = ("token_tis", "sequence_tis", "token_mask", "sequence_mask", "none")
+from reflow.algorithms.names import CORRECTIONS, check_choice
 
 _LOG_LIMIT = 80.0  # exp(80) ~ 5.5e34: a sequence log-ratio beyond it is out of every band and over every cap
 
@@ -55,8 +55,7 @@ class OffPolicyCorrection:
     band_high: float = 2.0
 
     def __post_init__(self):
-        if self.name not in CORRECTIONS:
-            raise ValueError(f"unknown off-policy correction {self.name!r} (known: {', '.join(CORRECTIONS)})")
+        check_choice("off-policy correction", self.name, CORRECTIONS)
 
     @property
     def masks(self) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-POLICY_LOSSES = ("ppo_clip", "dual_clip", "gspo", "cispo")
+from reflow.algorithms.names import POLICY_LOSSES, check_choice
 
 
 @dataclass
@@ -107,8 +107,7 @@ class PolicyLossSettings:
     cispo_clip_high: float = 4.0
 
     def __post_init__(self):
-        if self.name not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy loss {self.name!r} (known: {', '.join(POLICY_LOSSES)})")
+        check_choice("policy loss", self.name, POLICY_LOSSES)
 
     def __call__(
         self, logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DECAYS = ("constant", "linear", "cosine")
+from reflow.algorithms.names import DECAYS, check_choice
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,7 @@ class LRSchedule:
     min_ratio: float = 0.0
 
     def __post_init__(self):
-        if self.decay not in DECAYS:
-            raise ValueError(f"unknown learning-rate decay {self.decay!r} (known: {', '.join(DECAYS)})")
+        check_choice("learning-rate decay", self.decay, DECAYS)
 
     def lr_factor(self, update: int) -> float:
         if update < self.warmup_updates:

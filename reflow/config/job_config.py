@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from reflow.algorithms.names import AGGREGATIONS, CORRECTIONS, DECAYS, ESTIMATORS, KL_ESTIMATORS, KL_PLACEMENTS, POLICY_LOSSES
+
 MODES = ("sync", "one_step_off", "async", "reflow")
 
 
@@ -119,7 +121,7 @@ class TrainingSection:
     (grad_norm_clipped) the clip."""
     warmup_steps: int = limited(0, ge=0)
     """Trainer steps of linear learning-rate warmup from lr / warmup updates to lr (``reflow.algorithms.schedules``)."""
-    lr_decay: str = limited("constant", choices=("constant", "linear", "cosine"))
+    lr_decay: str = limited("constant", choices=DECAYS)
     """After the warmup: 'constant', or 'linear' or 'cosine' decay to lr * min_lr_ratio at training.steps."""
     min_lr_ratio: float = limited(0.0, ge=0, le=1)
     """The decay's floor, as a fraction of lr."""
@@ -164,7 +166,7 @@ class AdvantageSection:
     """How a sample's advantage comes from the rewards (``reflow.algorithms.advantages``). A replayed sample keeps
     the advantage computed with the group (and, for REINFORCE++, the batch) it was generated in."""
 
-    estimator: str = limited("grpo", choices=("grpo", "dr_grpo", "rloo", "reinforce_pp"))
+    estimator: str = limited("grpo", choices=ESTIMATORS)
     """'grpo' (group mean and std), 'dr_grpo' (group mean, no std), 'rloo' (leave-one-out group mean) or
     'reinforce_pp' (normalized over the step's fresh samples on every trainer rank)."""
     eps: float = limited(1e-6, gt=0)
@@ -178,7 +180,7 @@ class AdvantageSection:
 class LossSection:
     """The policy loss and its aggregation (``reflow.algorithms.policy_losses``, ``.aggregation``)."""
 
-    policy: str = limited("ppo_clip", choices=("ppo_clip", "dual_clip", "gspo", "cispo"))
+    policy: str = limited("ppo_clip", choices=POLICY_LOSSES)
     """'ppo_clip' (asymmetric bounds), 'dual_clip' (also bounded for negative advantages), 'gspo' (sequence-level,
     length-normalized ratio) or 'cispo' (clipped, detached importance weight on the log-prob)."""
     clip_low: float = limited(0.2, ge=0, lt=1)
@@ -194,7 +196,7 @@ class LossSection:
     """'cispo': the importance weight is clipped to [max(1 - cispo_clip_low, 0), 1 + cispo_clip_high] (1: no lower
     bound, as in MiniMax-M1)."""
     cispo_clip_high: float = limited(4.0, ge=0)
-    aggregation: str = limited("token_mean", choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"))
+    aggregation: str = limited("token_mean", choices=AGGREGATIONS)
     """How per-token losses become one: 'token_mean' over the batch's tokens, 'seq_mean_token_mean' (the original
     GRPO), 'seq_mean_token_sum', or 'token_sum_norm' (Dr. GRPO: token sums over a constant per sequence)."""
     norm_tokens: int = limited(0, ge=0)
@@ -211,9 +213,9 @@ class KLSection:
 
     coef: float = limited(0.0, ge=0)
     """beta; 0: no reference model and no penalty."""
-    estimator: str = limited("k3", choices=("k1", "k2", "k3"))
+    estimator: str = limited("k3", choices=KL_ESTIMATORS)
     """'k1' (log-ratio), 'k2' (half its square) or 'k3' (GRPO's, exp(d) - d - 1)."""
-    placement: str = limited("loss", choices=("loss", "reward"))
+    placement: str = limited("loss", choices=KL_PLACEMENTS)
     """'loss': beta * k per token in the loss; 'reward': -beta * k per token as a reward, its return-to-go taken
     from each token's advantage (detached)."""
 
@@ -224,7 +226,7 @@ class OffPolicySection:
     engine mismatch. The mismatch is logged every step (behavior_logprob_gap, behavior_logprob_gap_max,
     behavior_k3_kl)."""
 
-    correction: str = limited("token_tis", choices=("token_tis", "sequence_tis", "token_mask", "sequence_mask", "none"))
+    correction: str = limited("token_tis", choices=CORRECTIONS)
     """'token_tis' / 'sequence_tis': truncated importance weight per token / of the sequence; 'token_mask' /
     'sequence_mask': tokens / sequences whose ratio leaves [band_low, band_high] are dropped from the loss;
     'none'."""

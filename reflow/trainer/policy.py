@@ -71,16 +71,15 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 def _head_terms(
     hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, entropy: str
 ) -> tuple[torch.Tensor, ...]:
-    """One chunk: (log-probs,) or, with ``entropy`` 'logged' / 'trained', (log-probs, entropy)."""
-    logits = head(hidden)
-    if entropy == "none":
-        return (token_logprobs(logits, targets, temperature),)
-    logits = logits.float()
+    """One chunk: (log-probs,) or, with ``entropy`` 'logged' / 'trained', (log-probs, entropy), both of the
+    same fp32 logits at the sampling temperature."""
+    logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    spread = entropy_from_logits(logits if entropy == "trained" else logits.detach())
-    return picked - torch.logsumexp(logits, dim=-1), spread
+    logps = token_logprobs(logits, targets, 1.0)  # (the logits are fp32 and scaled already)
+    if entropy == "none":
+        return (logps,)
+    return logps, entropy_from_logits(logits if entropy == "trained" else logits.detach())
 
 
 def chunked_token_logprobs(
