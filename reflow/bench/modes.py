@@ -22,7 +22,9 @@ of one seed back to back); each figure below is reported as the mean over seeds 
                         policy it ends with is scored on the held-out eval set (256 prompts x 4 samples,
                         one embedded vLLM engine): the same prompts and sampling seeds for every policy
   evicted_fraction      decoupled modes, from the ledger: samples evicted unused / samples whose fate was
-                        decided (trained fresh or evicted unused; those still unused at the stop are not)
+                        decided (trained fresh or evicted unused; those still unused at the stop are not).
+                        Samples that dynamic sampling filtered (cause "no_signal") are not staleness waste:
+                        they count in neither, and in ``filtered_fraction`` (filtered / all that arrived)
   survival_by_length_decile  the same decided samples in ten equal-count bins of response length, shortest
                         first: the share trained fresh in each (a rule that evicts long answers shows here)
   time_to_target_s      first time the 5-step moving average of the training reward reaches --target-reward
@@ -146,6 +148,7 @@ def staleness_distribution(rows: list[dict]) -> dict[str, float]:
 SUMMARY_KEYS = (
     "tokens_per_s", "fresh_samples_per_s", "eval_reward_at_equal_time", "evicted_fraction", "trainer_idle_ratio",
     "rollout_idle_ratio", "replay_fraction", "steps", "received_response_len_mean", "trained_response_len_mean",
+    "filtered_fraction",
 )
 """Per-seed results that ``aggregate`` reports as mean and spread."""
 
@@ -158,17 +161,24 @@ def ledger_summary(dump: str) -> dict:
       evicted_fraction           evicted unused / (trained fresh + evicted unused)
       survival_by_length_decile  the same samples in ten equal-count bins of response length (shortest
                                  first): trained fresh / decided, per bin
+      filtered_fraction          samples dynamic sampling filtered (cause "no_signal") / samples sent
+
+    A filtered sample's group had no reward signal: it is left out of the decided samples, since no
+    staleness rule could have trained it.
     """
     import glob
 
     ledgers = [json.load(open(path)) for path in sorted(glob.glob(os.path.join(dump, "ledger", "rank*.json")))]
     lengths = {e["uid"]: e["response_len"] for led in ledgers for e in led["sent"] if "response_len" in e}
     trained = {c["uid"] for led in ledgers for c in led["consumed"]}
-    evicted = {u for led in ledgers for u in led["evicted_unused"]}
+    causes = {uid: cause for led in ledgers for uid, cause in led.get("eviction_causes", {}).items()}
+    filtered = {u for led in ledgers for u in led["evicted_unused"] if causes.get(u) == "no_signal"}
+    evicted = {u for led in ledgers for u in led["evicted_unused"]} - filtered
     decided = sorted((lengths[u], u in trained) for u in (trained | evicted) if u in lengths)
+    filtered_fraction = len(filtered) / len(lengths) if lengths else 0.0
     if not decided:
         return {"evicted_fraction": 0.0, "survival_by_length_decile": [], "received_response_len_mean": 0.0,
-                "trained_response_len_mean": 0.0}
+                "trained_response_len_mean": 0.0, "filtered_fraction": filtered_fraction}
     bins = [decided[len(decided) * k // 10 : len(decided) * (k + 1) // 10] for k in range(10)]
     trained_lengths = [n for n, kept in decided if kept]
     return {
@@ -177,6 +187,7 @@ def ledger_summary(dump: str) -> dict:
         "decile_upper_lengths": [b[-1][0] if b else 0 for b in bins],
         "received_response_len_mean": sum(n for n, _ in decided) / len(decided),
         "trained_response_len_mean": sum(trained_lengths) / max(len(trained_lengths), 1),
+        "filtered_fraction": filtered_fraction,
     }
 
 

@@ -1,0 +1,50 @@
+"""The modes benchmark's ledger summary: what counts as evicted, what as filtered, and survival by length."""
+
+import json
+import os
+
+from reflow.bench.modes import aggregate, ledger_summary
+
+
+def _write_ledger(folder, rank, sent, consumed, evicted, causes):
+    os.makedirs(os.path.join(folder, "ledger"), exist_ok=True)
+    ledger = {
+        "rank": rank, "trainer": True, "sent": [{"uid": uid, "response_len": n} for uid, n in sent],
+        "consumed": [{"uid": uid} for uid in consumed], "evicted_unused": evicted, "eviction_causes": causes,
+    }
+    with open(os.path.join(folder, "ledger", f"rank{rank}.json"), "w") as f:
+        json.dump(ledger, f)
+
+
+def test_filtered_samples_are_not_staleness_waste(tmp_path):
+    # ten samples over two shards: lengths 1..10; 5 trained, 3 evicted stale (the long ones), 2 filtered
+    sent = [(f"u{n}", n) for n in range(1, 11)]
+    _write_ledger(tmp_path, 0, sent[:5], ["u1", "u2", "u3"], ["u4", "u5"], {"u4": "no_signal", "u5": "no_signal"})
+    _write_ledger(tmp_path, 1, sent[5:], ["u6", "u7"], ["u8", "u9", "u10"],
+                  {"u8": "aged", "u9": "arrived_stale", "u10": "at_sync"})
+    summary = ledger_summary(str(tmp_path))
+    assert summary["evicted_fraction"] == 3 / 8  # u8..u10 of the eight decided; u4 and u5 are neither
+    assert summary["filtered_fraction"] == 2 / 10
+    # eight decided samples in ten bins: bins of 0 or 1; the trained ones are the five shortest decided
+    survival = [s for s, upper in zip(summary["survival_by_length_decile"], summary["decile_upper_lengths"]) if upper]
+    assert survival == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert summary["received_response_len_mean"] == (1 + 2 + 3 + 6 + 7 + 8 + 9 + 10) / 8
+    assert summary["trained_response_len_mean"] == (1 + 2 + 3 + 6 + 7) / 5
+
+
+def test_a_ledger_without_filtering_counts_every_eviction(tmp_path):
+    _write_ledger(tmp_path, 0, [("a", 4), ("b", 8)], ["a"], ["b"], {"b": "aged"})
+    summary = ledger_summary(str(tmp_path))
+    assert summary["evicted_fraction"] == 0.5 and summary["filtered_fraction"] == 0.0
+
+
+def test_aggregate_reports_mean_and_spread_over_seeds():
+    per_seed = [
+        {"tokens_per_s": 10.0, "filtered_fraction": 0.1, "staleness_distribution": {"0": 1.0}},
+        {"tokens_per_s": 14.0, "filtered_fraction": 0.3, "staleness_distribution": {"0": 0.5, "1": 0.5}},
+    ]
+    out = aggregate(per_seed)
+    assert out["staleness_distribution"] == {"0": 0.75, "1": 0.25}
+    assert out["tokens_per_s"] == 12.0 and out["tokens_per_s_spread"]["std"] == 2.0
+    assert abs(out["filtered_fraction"] - 0.2) < 1e-12
+    assert out["filtered_fraction_spread"]["values"] == [0.1, 0.3]
