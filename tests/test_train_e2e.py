@@ -88,3 +88,7 @@ def test_sync_dynamic_sampling_trains_exactly_the_batch_of_groups_with_signal(tm
         assert r["num_samples"] == 32  # exactly 8 groups of 4, each with signal
         assert 0 <= r["dynamic_sampling_rounds"] <= 8
         assert 0 < r["reward_std"]
+        # over every generated sample, the dropped groups included; with none dropped, the trained ones
+        if r["dynamic_sampling_filtered_frac"] == 0:
+            assert r["received_reward_mean"] == pytest.approx(r["reward_mean"], abs=1e-12)
+        assert 0.0 <= r["received_reward_mean"] <= 1.0

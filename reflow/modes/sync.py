@@ -68,7 +68,7 @@ class SyncMode(ModeBase):
         samples = self._generate_round(drawn, timer, engine_stats)
         # 4. filter (dynamic sampling): keep P groups with signal over the ranks, generating more rounds for them
         filtering = {"dynamic_sampling_filtered_frac": 0.0, "dynamic_sampling_rounds": 0}
-        if parts.cfg.reward.dynamic_sampling:
+        if parts.cfg.reward.dynamic_sampling:  # (it adds received_reward_mean: reward_mean is over kept groups)
             samples, filtering = self._keep_groups_with_signal(drawn, samples, timer, engine_stats)
         with timer("gen"):
             # after the last round the engine frees its memory for training (on CUDA); a sync follows this step's
@@ -104,6 +104,8 @@ class SyncMode(ModeBase):
             trainer_wait_s=timer.get("gen"), engine_window=engine_stats,
         )
         row.update(filtering)
+        # what the engines generated: the trained samples themselves unless dynamic sampling dropped groups
+        row.setdefault("received_reward_mean", row["reward_mean"])
         return row
 
     def _generate_round(self, drawn: list, timer: StepTimer, engine_stats: WorkerStats) -> list[Sample]:
@@ -138,21 +140,30 @@ class SyncMode(ModeBase):
         were kept; while fewer than P are, the missing number is drawn and generated (``_generate_round``), at
         most MAX_EXTRA_ROUNDS times. Then the first P kept draws in draw order stay, the same on every rank.
         Returns this rank's kept samples and the row's dynamic_sampling_filtered_frac (groups dropped for no
-        signal / groups generated, over the ranks; groups are whole, so it is the samples' share too) and
-        dynamic_sampling_rounds (the extra rounds generated)."""
+        signal / groups generated, over the ranks; groups are whole, so it is the samples' share too),
+        dynamic_sampling_rounds (the extra rounds generated) and received_reward_mean (over every sample
+        generated, the dropped included, as the decoupled modes count what arrived: the kept groups leave out
+        the prompts solved by all or none, so their mean is not the policy's)."""
         parts = self.parts
         wanted = parts.cfg.training.prompts_per_step
         draws = [draw for draw, _ in drawn]
         kept: dict[int, list[Sample]] = {}  # draw -> this rank's group with signal
         kept_draws: list[int] = []  # every rank's, in draw order
         generated = rounds = 0
+        reward_total = reward_count = 0.0
         while True:
             local: dict[int, list[Sample]] = {}
             for sample in samples:
                 local.setdefault(sample.draw, []).append(sample)
             flags = [int(draw in local and has_signal([outcome_reward(s) for s in local[draw]])) for draw in draws]
             with timer("gen"):  # the ranks agree on what was kept (a faster rank waits here: generation time)
-                summed = reduce_stats({"signal": flags}, self.trainer_group)["signal"]
+                totals = reduce_stats(
+                    {"signal": flags, "reward": sum(s.reward for s in samples), "samples": len(samples)},
+                    self.trainer_group,
+                )
+            summed = totals["signal"]
+            reward_total += totals["reward"]
+            reward_count += totals["samples"]
             generated += len(draws)
             for draw, signal in zip(draws, summed):
                 if signal:
@@ -176,4 +187,7 @@ class SyncMode(ModeBase):
         chosen = set(sorted(kept_draws)[:wanted])
         out = [s for draw in sorted(kept) if draw in chosen for s in kept[draw]]
         filtered = generated - len(kept_draws)
-        return out, {"dynamic_sampling_filtered_frac": filtered / generated, "dynamic_sampling_rounds": rounds}
+        return out, {
+            "dynamic_sampling_filtered_frac": filtered / generated, "dynamic_sampling_rounds": rounds,
+            "received_reward_mean": reward_total / max(reward_count, 1.0),
+        }

@@ -255,7 +255,11 @@ class ThreadReduce:
     def __call__(self, stats, group, op="sum"):
         self.slots[group] = stats
         self.barrier.wait()
-        out = {key: [sum(column) for column in zip(*(slot[key] for slot in self.slots))] for key in stats}
+        out = {
+            key: [sum(column) for column in zip(*(slot[key] for slot in self.slots))] if isinstance(stats[key], list)
+            else sum(slot[key] for slot in self.slots)
+            for key in stats
+        }
         self.barrier.wait()
         return out
 
@@ -303,7 +307,8 @@ def test_sync_keeps_exactly_p_groups_with_signal_drawing_the_missing_ones(monkey
     (kept0, row0, drawn0, samples0), (kept1, row1, drawn1, _) = ranks
     assert kept0 == [2, 4] and kept1 == [1, 5]  # 4 groups in all, each on the rank that generated it
     assert samples0 == 2 * GROUP
-    assert row0 == row1 == {"dynamic_sampling_filtered_frac": 2 / 6, "dynamic_sampling_rounds": 1}
+    # the policy's reward over all 6 groups generated is 4 / 24; the 4 kept groups' alone would say 4 / 16
+    assert row0 == row1 == {"dynamic_sampling_filtered_frac": 2 / 6, "dynamic_sampling_rounds": 1, "received_reward_mean": 4 / 24}
     assert drawn0 == drawn1 == 6 and not logged
 
 
@@ -315,6 +320,7 @@ def test_sync_stops_after_the_extra_rounds_and_trains_on_what_it_kept(monkeypatc
     assert row["dynamic_sampling_rounds"] == MAX_EXTRA_ROUNDS
     generated = 4 + 3 * MAX_EXTRA_ROUNDS  # a round draws only the missing three
     assert row["dynamic_sampling_filtered_frac"] == (generated - 1) / generated and ranks[0][2] == generated
+    assert row["received_reward_mean"] == 1 / (generated * GROUP)  # one reward of 1 among every sample generated
     assert len(logged) == 2 and "1 of 4 groups" in logged[0]
 
 
