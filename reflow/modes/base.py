@@ -161,8 +161,9 @@ class ModeBase:
         return self.parts.trainer_group
 
     def pause_requested(self, row: dict) -> bool:
-        """After a step's row is logged: leave the loop now, before the run is finished (a placement change)?
-        Every rank that trains must get the same answer."""
+        """After a step's row is logged, before its checkpoint (not after the last step): leave the loop after
+        this step, before the run is finished (a placement change)? Every rank that trains must get the same
+        answer."""
         return False
 
     def train_loop(self) -> list[dict]:
@@ -191,6 +192,9 @@ class ModeBase:
                 self.stopped_by = stop
             if self.step % cfg.metrics.log_freq == 0 or last:
                 parts.logger.log(self.step, row)
+            # the step's placement decision comes before its checkpoint, which records the outcome (a resumed run
+            # takes up the placement this one is about to move to, and its controller has made the decision)
+            pause = not last and self.pause_requested(row)
             if parts.checkpoints.should_save(self.step, last) and self.diverged is None:
                 extra, files = self.checkpoint_state()
                 path = parts.checkpoints.save(self.step, parts.trainer, extra, files)
@@ -198,7 +202,7 @@ class ModeBase:
             if last:
                 self.finished = True
                 break
-            if self.pause_requested(row):
+            if pause:
                 break
         return history
 

@@ -488,8 +488,8 @@ class DecoupledMode(ModeBase):
     # ================================================================ checkpoints (``reflow.modes.resume``)
 
     def checkpoint_state(self) -> tuple[dict, dict[str, object]]:
-        """Beside the trainer's state: each shard's replay buffer, and on rank 0 the prompt stream's position.
-        One all-gather of the draws delivered over the trainer group."""
+        """Beside the trainer's state: each shard's replay buffer, and on rank 0 the prompt stream's position and
+        the placement controller's memory. One all-gather of the draws delivered over the trainer group."""
         self.settle_moves()  # a sample moving between shards is in one of them when saved
         extra, files = super().checkpoint_state()
         saved, regenerated = shard_files(self.shard.buffer, regenerate=self.settings.min_staleness > 0)
@@ -497,17 +497,26 @@ class DecoupledMode(ModeBase):
         dist.all_gather_object(gathered, (self.shard.received_draws, regenerated), group=self.trainer_group)
         position = stream_position(self.prompt_frontier, self.prompt_holes, gathered)
         extra["prompts_drawn"] = position.frontier
+        # the step's placement decision came first: a change it decided is the placement a resumed run takes up
+        extra["trainer_replicas"] = self.change_to or self.placement.replicate_degree
         files[f"replay-shard{self.shard.index}"] = saved
         if self.rank == 0:
             files["prompt-stream"] = {"frontier": position.frontier, "holes": list(position.holes)}
+            controller = self.leader.controller_state()
+            if controller is not None:
+                files["placement-controller"] = controller
         return extra, files
 
     def _restore(self) -> None:
-        """After ``resume``: the prompt stream's position, and each trainer shard's share of the saved buffers."""
+        """After ``resume``: the prompt stream's position, each trainer shard's share of the saved buffers, and on
+        rank 0 the placement controller's memory."""
         checkpoints = self.parts.checkpoints
         stream = checkpoints.read_files("prompt-stream").get("prompt-stream")
         if stream is None:  # a checkpoint without it (sync mode's): the furthest prompt drawn
             return
+        controller = checkpoints.read_files("placement-controller").get("placement-controller")
+        if self.leader is not None and controller is not None:
+            self.leader.load_controller_state(controller)
         self.prompt_frontier, self.prompt_holes = stream["frontier"], list(stream["holes"])
         self._drawn = self.prompt_frontier
         restored = 0

@@ -164,6 +164,19 @@ class Leader:
         self.placement_rows = []
         return decision
 
+    def controller_state(self) -> dict | None:
+        """For a checkpoint after a step's decision: the controller's memory and the rows since its decision
+        (None without a controller)."""
+        if self.controller is None:
+            return None
+        return {"controller": self.controller.state(), "window": list(self.placement_rows)}
+
+    def load_controller_state(self, state: dict) -> None:
+        """Take up ``controller_state()`` of the run this one resumes."""
+        if self.controller is not None:
+            self.controller.load_state(state["controller"])
+            self.placement_rows = list(state["window"])
+
     def logs_decision(self, decision: PlacementDecision) -> bool:
         """A forced schedule's no-ops are noise; every other decision is logged."""
         return decision.target is not None or not isinstance(self.controller, ForcedSchedule)

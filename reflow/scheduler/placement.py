@@ -22,6 +22,15 @@ class PlacementController(Protocol):
         one): whether to move, where, and why."""
         ...
 
+    def state(self) -> dict:
+        """What the controller remembers between decisions, as plain values: a checkpoint holds it, so a resumed
+        run's next decision is the one the uninterrupted run would make on the same window."""
+        ...
+
+    def load_state(self, state: dict) -> None:
+        """Take up ``state()`` of the controller whose run this one resumes."""
+        ...
+
 
 class ForcedSchedule:
     """placement.schedule: after step s, move to n replicas, for each (s, n), whatever the measurements say."""
@@ -34,3 +43,10 @@ class ForcedSchedule:
         if target is None or target == replicas:
             return PlacementDecision(step, replicas, None, "no change scheduled")
         return PlacementDecision(step, replicas, target, f"placement.schedule: {target} replicas after step {step}")
+
+    def state(self) -> dict:
+        return {}  # the schedule is all config
+
+    def load_state(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"placement.schedule keeps no state between decisions, got {sorted(state)}")

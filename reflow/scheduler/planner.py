@@ -38,7 +38,7 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 TIE = 0.02
 """Candidates whose predicted throughput is within this fraction of the best are tied (step 4)."""
@@ -221,6 +221,29 @@ class PlacementPlanner:
         self.lengths: list[tuple[int, float]] = []  # (step, mean length) of the windows in the trend's span
         self.idle_streak = {"trainer": 0, "rollout": 0}
         self.decisions: list[PlacementDecision] = []
+
+    # ---- memory between decisions (checkpointed) ----------------------------------------
+
+    def state(self) -> dict:
+        """What steps 2, 5 and 6 remember: the smoothed rates, the lengths of the trend's span, the idle streaks,
+        the last change (its step and the replica count it left) and the transition cost. Not ``decisions``,
+        which is the run's log."""
+        return {
+            "smoothed": asdict(self.smoothed) if self.smoothed is not None else None,
+            "lengths": [list(point) for point in self.lengths],
+            "idle_streak": dict(self.idle_streak),
+            "last_change_step": self.last_change_step,
+            "left": self.left,
+            "transition_cost_s": self.transition_cost_s,
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.smoothed = Rates(**state["smoothed"]) if state["smoothed"] is not None else None
+        self.lengths = [(int(at), float(length)) for at, length in state["lengths"]]
+        self.idle_streak = {"trainer": int(state["idle_streak"]["trainer"]), "rollout": int(state["idle_streak"]["rollout"])}
+        self.last_change_step = int(state["last_change_step"])
+        self.left = None if state["left"] is None else int(state["left"])
+        self.transition_cost_s = float(state["transition_cost_s"])
 
     # ---- steps 1 and 2 -------------------------------------------------------------------
 

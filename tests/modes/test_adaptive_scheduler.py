@@ -6,6 +6,8 @@ reach the metrics, and no sample is lost, duplicated or trained staler than delt
 import json
 import os
 
+import torch
+
 from tests.modes.test_decoupled_modes import _run, assert_no_sample_lost_or_duplicated
 
 
@@ -19,6 +21,7 @@ def test_reflow_with_the_adaptive_scheduler_logs_every_decision_and_loses_nothin
             "--scheduler.adaptive_concurrency=true", "--scheduler.kv_admission=true", "--scheduler.adaptive_placement=true",
             "--scheduler.interval_s=0.2", "--scheduler.cooldown_steps=2", "--scheduler.margin=0",
             "--scheduler.horizon_steps=1000", "--scheduler.transition_cost_s=0",
+            "--checkpoint.enable=true", "--checkpoint.interval=5", "--checkpoint.export_hf=false",
         ],
     )
     assert [r["step"] for r in rows] == list(range(1, 11))
@@ -55,3 +58,17 @@ def test_reflow_with_the_adaptive_scheduler_logs_every_decision_and_loses_nothin
     for r in rows:  # the staleness bound, exactly
         assert len(r["staleness_counts"]) == 3
     assert_no_sample_lost_or_duplicated(rows, ledgers)
+    # the checkpoint after step 5 holds the planner's memory as of its decision at step 5: the last change it
+    # made by then, the placement that change left, and no rows since (every step is a sync point)
+    saved = torch.load(os.path.join(tmp_path, "reflow", "checkpoint", "step-5", "placement-controller.pt"), weights_only=False)
+    made = [d for d in moves if d["step"] <= 5]
+    assert saved["window"] == []
+    memory = saved["controller"]
+    assert memory["last_change_step"] == (made[-1]["step"] if made else 0)
+    assert memory["left"] == (made[-1]["planner_current_replicas"] if made else None)
+    rated = [d for d in decisions if d["step"] <= 5 and "planner_production_tokens_per_rank_s" in d]
+    if rated:  # the smoothed rates the step-5 decision (or the latest before it) used
+        assert memory["smoothed"]["production"] == rated[-1]["planner_production_tokens_per_rank_s"]
+        assert memory["smoothed"]["consumption"] == rated[-1]["planner_consumption_tokens_per_replica_s"]
+    else:
+        assert memory["smoothed"] is None

@@ -15,7 +15,7 @@ def test_reflow_run_changes_placement_both_ways_and_loses_nothing(tmp_path):
             "--training.steps=12", "--replay.sigma=0.5", "--replay.delta=2", "--weight_sync.interval=2",
             "--placement.trainer_replicate_degree=2", "--placement.trainer_shard_degree=1",
             '--placement.schedule=["4:1", "8:2"]', "--checkpoint.export_hf=true",
-            "--checkpoint.enable=true", "--checkpoint.interval=6",
+            "--checkpoint.enable=true", "--checkpoint.interval=4", "--checkpoint.keep_last=0",
         ],
     )
     assert [r["step"] for r in rows] == list(range(1, 13))
@@ -36,9 +36,9 @@ def test_reflow_run_changes_placement_both_ways_and_loses_nothing(tmp_path):
     assert_no_sample_lost_or_duplicated(rows, ledgers)
     assert os.path.exists(os.path.join(tmp_path, "reflow", "hf_final", "model.safetensors"))
 
-    # resume from step 6, saved by the single replica of T1x1+R3, onto a run that starts as T2x1+R2: the
-    # checkpoint loads resharded, the run takes up the saved placement before its first step, and the
-    # schedule's next change still happens
+    # resume from step 4, saved by T2x1+R2 right after the schedule decided to move to 1 replica: the
+    # checkpoint records the decision, so the resumed run (started as T2x1+R2) takes up T1x1+R3 before its
+    # first step, as the uninterrupted run did, and the schedule's next change still happens
     checkpoints = os.path.join(tmp_path, "reflow", "checkpoint")
     resumed, resumed_ledgers = _run(
         tmp_path / "resumed", 4, "reflow", 2,
@@ -46,12 +46,12 @@ def test_reflow_run_changes_placement_both_ways_and_loses_nothing(tmp_path):
             "--training.steps=10", "--replay.sigma=0.5", "--replay.delta=2", "--weight_sync.interval=2",
             "--placement.trainer_replicate_degree=2", "--placement.trainer_shard_degree=1",
             '--placement.schedule=["4:1", "8:2"]', "--checkpoint.enable=true", f"--checkpoint.folder={checkpoints}",
-            "--checkpoint.load_step=6", "--checkpoint.interval=100",
+            "--checkpoint.load_step=4", "--checkpoint.interval=100",
         ],
     )
-    assert [r["step"] for r in resumed] == [7, 8, 9, 10]
-    assert [r["placement"] for r in resumed] == ["T1x1+R3"] * 2 + ["T2x1+R2"] * 2
-    assert resumed[0]["policy_version"] == 7
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8, 9, 10]
+    assert [r["placement"] for r in resumed] == ["T1x1+R3"] * 4 + ["T2x1+R2"] * 2
+    assert resumed[0]["policy_version"] == 5
     changes = [json.loads(line) for line in open(os.path.join(tmp_path, "resumed", "reflow", "metrics.jsonl")) if "transition" in line]
     assert [c["transition"] for c in changes] == ["T2x1+R2 -> T1x1+R3", "T1x1+R3 -> T2x1+R2"]
     assert_no_sample_lost_or_duplicated(resumed, resumed_ledgers)

@@ -1,5 +1,7 @@
 """The placement planner on synthetic windows, against hand-computed rates and predictions."""
 
+import pickle
+
 import pytest
 
 from reflow.scheduler.placement import ForcedSchedule, PlacementController
@@ -172,3 +174,30 @@ def test_a_move_back_needs_twice_the_margin_and_no_idle_waiver():
     plan.candidates = lambda rates: [Candidate(1, 3, 30.0, 6.25, 6.25, 4.8, 16 / 6.25), there]
     back = plan.decide(12, 3, rows(first_step=11))
     assert back.target == 1 and "twice the margin" in back.reason
+
+
+def test_a_restored_planner_decides_as_the_one_it_was_saved_from():
+    """The scenario above, saved after step 10 and restored (through pickle, as a checkpoint stores it): the
+    restored planner and the uninterrupted one make the same decisions at steps 12 and 14, [stay, move to 1].
+    A planner that forgot (a fresh one on the same windows) moves at 12: its first window is all it has seen,
+    and nothing tells it that 1 replica is the placement the last change left."""
+    uninterrupted = planner(horizon_steps=8)
+    slow = rows(busy=40.0, trained=64)
+    assert uninterrupted.decide(4, 1, rows()).target == 2
+    assert [uninterrupted.decide(step, 2, slow).target for step in (8, 10)] == [None, None]
+    restored = planner(horizon_steps=8)
+    restored.load_state(pickle.loads(pickle.dumps(uninterrupted.state())))
+    assert restored.state() == uninterrupted.state()
+    for step, target in ((12, None), (14, 1)):
+        kept, resumed = uninterrupted.decide(step, 2, slow), restored.decide(step, 2, slow)
+        assert kept.as_row() == resumed.as_row() and kept.target == target, step
+    assert restored.state() == uninterrupted.state()
+    assert planner(horizon_steps=8).decide(12, 2, slow).target == 1
+
+
+def test_the_forced_schedule_keeps_no_state():
+    schedule = ForcedSchedule([(4, 2)])
+    assert schedule.state() == {}
+    schedule.load_state({})
+    with pytest.raises(ValueError, match="placement.schedule"):
+        schedule.load_state({"left": 1})
