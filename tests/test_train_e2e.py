@@ -29,7 +29,9 @@ def test_sync_mode_trains_checkpoints_resumes_and_exports(tmp_path):
     ]
     # the first run also exercises the frozen reference policy (KL penalty)
     run_torchrun(2, common + ["--training.steps=2", "--kl.coef=0.05"])
-    rows = _rows(dump)
+    # the starting policy's evaluation first, in a row of its own; then the steps, step 2's with an evaluation
+    evaluation, *rows = _rows(dump)
+    assert evaluation["step"] == 0 and evaluation["eval_policy_version"] == 0 and 0 <= evaluation["eval_reward"] <= 1
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert REQUIRED <= set(r), REQUIRED - set(r)
@@ -40,7 +42,7 @@ def test_sync_mode_trains_checkpoints_resumes_and_exports(tmp_path):
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
     assert rows[1]["kl_ref"] > 0.0
-    assert "eval_reward" in rows[1]
+    assert "eval_reward" not in rows[0] and rows[1]["eval_policy_version"] == 2
     assert os.path.exists(os.path.join(dump, "checkpoint", "step-2", ".metadata"))
     assert glob.glob(os.path.join(dump, "tb", "events.out.tfevents*"))
 
@@ -48,7 +50,7 @@ def test_sync_mode_trains_checkpoints_resumes_and_exports(tmp_path):
     proc = run_torchrun(2, common + ["--training.steps=3"])
     assert "resumed from step 2" in proc.stderr
     rows = _rows(dump)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # a resumed run does not score its starting policy again
     assert rows[-1]["policy_version"] == 3
 
     # the exported policy is a loadable HF folder with trained (changed) weights

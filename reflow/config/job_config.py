@@ -435,7 +435,8 @@ class MetricsSection:
     """Off a terminal: one plain progress line every this many logged steps (and at the last)."""
     eval_interval: int = 0
     """Evaluate every N steps (0 = off): mean reward of one sample per held-out prompt at the rollout temperature.
-    The decoupled modes also evaluate a new run's starting policy (eval_policy_version 0), and the final one."""
+    Every mode also evaluates a new run's starting policy (eval_policy_version 0); the decoupled modes also the
+    final one."""
     eval_num_prompts: int = 64
     """Prompts used by an evaluation."""
 

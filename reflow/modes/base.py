@@ -174,6 +174,10 @@ class ModeBase:
         parts = self.parts
         cfg = parts.cfg
         history = []
+        if self.evaluates_in_loop and cfg.metrics.eval_interval and self.step == 0 and self.version == 0:
+            # a new run scores its starting policy first (a row of its own at step 0), as the decoupled modes'
+            # rollout ranks do: every run then has a baseline on the same held-out prompts
+            parts.logger.log(0, {"eval_reward": self.evaluate(cfg.metrics.eval_num_prompts), "eval_policy_version": 0})
         if self._train_start is None:
             self._train_start = time.perf_counter()  # the time budget counts from the first step
         start = self._train_start
@@ -184,6 +188,7 @@ class ModeBase:
             row["mode"] = self.name
             if cfg.metrics.eval_interval and self.step % cfg.metrics.eval_interval == 0 and self.evaluates_in_loop:
                 row["eval_reward"] = self.evaluate(cfg.metrics.eval_num_prompts)
+                row["eval_policy_version"] = parts.engine.version  # the weights the engines hold (the last sync's)
             history.append(row)
             self.diverged = self.nonfinite.observe(self.step, row.get("skipped_updates", 0))
             stop = self._stop_reason(start)
