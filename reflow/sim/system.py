@@ -4,7 +4,8 @@ placement controller) and one live ``RolloutWorker`` per rollout rank (commands,
 budget, router, group assembly, partial rollouts at syncs and placement changes), over simulated engines
 (``reflow.sim.engine.SimEngine``, a live ``Engine``) and an in-process transport, on a simulated clock. What
 is simulated is the engines' and the trainer's time, the workload (``SimGroups``: response lengths drawn from
-it) and the rewards (``SimScorer``); every decision is the live code's, with ``resolve_settings``'s rule.
+it) and the rewards (``SimScorer``: which groups have reward signal, for dynamic sampling); every decision is
+the live code's, with ``resolve_settings``'s rule.
 
 Decoupled modes, one trainer step (``DecoupledSim.run``):
 
@@ -44,6 +45,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from reflow.algorithms.shaping import MAX_EXTRA_BATCHES
 from reflow.config.job_config import JobConfig
 from reflow.config.mode_settings import resolve_settings
 from reflow.distributed.placement import placement_name
@@ -87,6 +89,9 @@ class SimConfig:
     margin: float = 0.1
     horizon_steps: int = 20
     warmup_steps: int = 3
+    dynamic_sampling: bool = False
+    """reward.dynamic_sampling: groups without reward signal (``Workload.no_signal_fraction``) are filtered, in
+    the decoupled modes by the live shards, in sync by extra rounds of generation (as ``SyncMode``)."""
     seed: int = 0
     macro_steps: int = 32
     """Decode steps an engine step may run at most (admission and commands run between engine steps): 1 is the
@@ -115,8 +120,13 @@ class SimConfig:
         scheduler = cfg.scheduler
         scheduler.adaptive_concurrency, scheduler.kv_admission = self.adaptive_concurrency, self.kv_admission
         scheduler.rho, scheduler.response_percentile = self.rho, self.response_percentile
+        cfg.reward.dynamic_sampling = self.dynamic_sampling
         cfg.metrics.eval_interval = 0
         return cfg
+
+    def __post_init__(self):
+        if self.dynamic_sampling and self.mode == "one_step_off":
+            raise ValueError("dynamic_sampling: one_step_off trains exactly what started one version back (refused live too)")
 
 
 @dataclass
@@ -136,6 +146,9 @@ class StepRecord:
     received_tokens: int = 0
     """Response tokens of the samples that arrived."""
     evicted: int = 0
+    """Samples evicted unused for staleness (the filtered ones are ``filtered``)."""
+    filtered: int = 0
+    """Samples dynamic sampling dropped: their group had no reward signal."""
     sync_s: float = 0.0
     engine_steps: int = 0
     step_sequences: int = 0
@@ -148,7 +161,7 @@ class StepRecord:
         return {
             "step": self.step, "step_time_s": self.end - self.start, "trainer_wait_s": self.wait_s,
             "received_samples": self.received, "received_response_len_mean": self.received_tokens / max(self.received, 1),
-            "evicted_unused": self.evicted, "fresh_samples": self.fresh, "replayed_samples": self.replayed,
+            "evicted_unused": self.evicted + self.filtered, "fresh_samples": self.fresh, "replayed_samples": self.replayed,
             "trainer_tokens": self.trainer_tokens, "rollout_busy_s": self.rollout_busy_s, "rollout_idle_s": self.rollout_idle_s,
         }
 
@@ -160,7 +173,9 @@ def summarize(records: list[StepRecord], warmup: int, transitions: list[dict]) -
     idle = sum(r.rollout_idle_s for r in kept)
     engine_steps = sum(r.engine_steps for r in kept)
     latencies = [x for r in kept for x in r.latencies]
+    received = sum(r.received for r in kept)
     return {
+        "filtered_fraction": sum(r.filtered for r in kept) / max(received, 1),
         "mean_in_flight": sum(r.step_sequences for r in kept) / engine_steps if engine_steps else 0.0,
         "admission_to_finish_s": sum(latencies) / len(latencies) if latencies else 0.0,
         "sync_s_per_step": sum(r.sync_s for r in kept) / max(len(kept), 1),
@@ -170,6 +185,7 @@ def summarize(records: list[StepRecord], warmup: int, transitions: list[dict]) -
         "steps": len(records),
         "seconds": records[-1].end if records else 0.0,
         "step_time_s": seconds / max(len(kept), 1),
+        "trained_per_step": [r.fresh + r.replayed for r in records],
         "timeline": [{"step": r.step, "end_s": round(r.end, 3), "placement": r.placement} for r in records],
         "transitions": transitions,
     }
@@ -211,14 +227,19 @@ class SimGroups:
 
 
 class SimScorer:
-    """The simulated ``GroupScorer``: rewards do not change what the system does (the filter accepts all)."""
+    """The simulated ``GroupScorer``: a group with signal gets rewards 1, 0, ..., 0 and one without all 0
+    (``Workload.has_signal``); they matter only to dynamic sampling (the replay filter accepts all)."""
+
+    def __init__(self, workload: Workload, seed: int):
+        self.workload, self.seed = workload, seed
 
     def score(self, members: list[Request]) -> list[Sample]:
+        signal = self.workload.has_signal(self.seed, members[0].meta["draw"])
         return [
             Sample(uid=req.request_id, draw=req.meta["draw"], group_id=req.meta["group"], prompt_ids=req.prompt_ids,
-                   output_ids=req.output_ids, logprobs=req.logprobs, versions=req.versions, reward=0.5,
-                   finish_reason=req.finish_reason, advantage=1.0)
-            for req in members
+                   output_ids=req.output_ids, logprobs=req.logprobs, versions=req.versions,
+                   reward=float(signal and k == 0), finish_reason=req.finish_reason, advantage=1.0)
+            for k, req in enumerate(members)
         ]
 
 
@@ -339,7 +360,7 @@ class DecoupledSim:
             seed=self.cfg.seed + index, min_staleness=self.settings.min_staleness, anchor=self.settings.anchor,
         )
         buffer.start_version = 0
-        return TrainerShard(buffer, index, num_rollout, batch_per_shard, self.ledger)
+        return TrainerShard(buffer, index, num_rollout, batch_per_shard, self.ledger, dynamic_sampling=self.cfg.dynamic_sampling)
 
     def _enter(self, replicas: int, held: list[list[HeldGroup]] | None = None) -> None:
         """The roles of a placement, as ``DecoupledMode.enter`` and ``change_placement`` take them up: staying
@@ -378,7 +399,7 @@ class DecoupledSim:
         dealt_dispatch = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
         self.workers = [
             RolloutWorker(
-                self.job, engine, TurnDriver(engine, None, None), SimGroups(self), SimScorer(), self.weight_sync,
+                self.job, engine, TurnDriver(engine, None, None), SimGroups(self), SimScorer(self.workload, cfg.seed), self.weight_sync,
                 self.control.source(index), SimOutbox(self, index),
                 DispatchBudget(self.settings.dispatch, index, num_rollout, cfg.group_size, start_step=self.steps_done,
                                dealt=dealt_dispatch),
@@ -611,6 +632,8 @@ class DecoupledSim:
             # clocks: a simulated worker never blocks, so its own idle count is zero)
             reported = self.leader.rollout_window.close()
             self._collect_latencies()
+            evicted_now = self.ledger["evicted_unused"][evicted_before:]
+            filtered = sum(self.ledger["eviction_causes"][uid] == "no_signal" for uid in evicted_now)
             record = StepRecord(
                 step=self.steps_done, start=step_start, end=self.clock, wait_s=ready - step_start,
                 trainer_tokens=sum(rank_tokens), received=self.received,
@@ -618,7 +641,7 @@ class DecoupledSim:
                 rollout_busy_s=sum(e.busy_s for e in engines) - busy0,
                 rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
                 placement=self.placement, staleness=staleness, received_tokens=self.received_tokens,
-                evicted=len(self.ledger["evicted_unused"]) - evicted_before, sync_s=sync_s,
+                evicted=len(evicted_now) - filtered, filtered=filtered, sync_s=sync_s,
                 engine_steps=reported["rollout_engine_steps"], step_sequences=reported["rollout_step_sequences"],
                 latencies=self.latencies,
             )
@@ -631,8 +654,11 @@ class DecoupledSim:
                     self._transition(decision.target)
                     self.transitions[-1]["reason"] = decision.reason
         result = summarize(self.records, cfg.warmup_steps, self.transitions)
-        evicted = len(self.ledger["evicted_unused"])
+        # staleness waste, as the modes benchmark counts it: filtered samples had no signal for any rule to train
+        filtered = sum(cause == "no_signal" for cause in self.ledger["eviction_causes"].values())
+        evicted = len(self.ledger["evicted_unused"]) - filtered
         result["evicted_unused"] = evicted
+        result["filtered_unused"] = filtered
         trained_fresh = sum(r.fresh for r in self.records)
         result["evicted_fraction"] = evicted / max(evicted + trained_fresh, 1)
         result["moved_between_shards"] = len(self.ledger["moved_in"])
@@ -642,28 +668,52 @@ class DecoupledSim:
 
 
 def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> dict:
-    """Colocated on-policy GRPO: every GPU generates its share, then every GPU trains, then the sync."""
+    """Colocated on-policy GRPO: every GPU generates its share, then every GPU trains, then the sync. With
+    dynamic sampling, as ``SyncMode``'s step 4: after a round the GPUs agree on the groups with signal (each
+    waits for the slowest); while fewer than P are kept, the missing number of prompts is generated in another
+    round, at most MAX_EXTRA_BATCHES extra rounds; the step trains on the kept groups only."""
     rng, train_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)
     engines = [SimEngine(profile, i, cfg.macro_steps, cfg.macro_s) for i in range(cfg.gpus)]
-    clock, records = 0.0, []
+    clock, records, draws = 0.0, [], 0
     for step in range(1, cfg.steps + 1):
         start = clock
         busy0, idle0 = sum(e.busy_s for e in engines), sum(e.idle_s for e in engines)
         steps0, sequences0 = sum(e.engine_steps for e in engines), sum(e.step_sequences for e in engines)
-        tokens = [0] * cfg.gpus
-        for prompt in range(cfg.prompts_per_step):
-            rank = prompt % cfg.gpus
-            group = f"s{step}-{prompt}"
-            prompt_ids = [0] * workload.prompt_tokens
-            for k, target in enumerate(workload.group_lengths(rng, step - 1, cfg.group_size)):
-                engines[rank].add(Request(f"{group}/{k}", prompt_ids, workload.max_tokens, k,
-                                          meta={"group": group, "sim": SimTrajectory(target)}))
-        for rank, engine in enumerate(engines):
-            engine.clock = start
-            while engine.num_active:
-                for req in engine.step():
-                    tokens[rank] += len(req.prompt_ids) + len(req.output_ids)
-        generated = max(engine.clock for engine in engines)
+        tokens = [0] * cfg.gpus  # trained: the kept groups' prompt and response tokens, per GPU
+        kept = generated_groups = rounds = 0
+        round_start = start
+        while True:
+            count = cfg.prompts_per_step - kept  # the whole P first, then what is missing
+            group_tokens: dict[str, tuple[int, int]] = {}  # group -> (GPU, tokens)
+            round_draws = list(range(draws, draws + count))
+            draws += count
+            for prompt, draw in enumerate(round_draws):
+                rank, group = prompt % cfg.gpus, f"g{draw}"
+                group_tokens[group] = (rank, 0)
+                prompt_ids = [0] * workload.prompt_tokens
+                for k, target in enumerate(workload.group_lengths(rng, step - 1, cfg.group_size)):
+                    engines[rank].add(Request(f"{group}/{k}", prompt_ids, workload.max_tokens, k,
+                                              meta={"group": group, "sim": SimTrajectory(target)}))
+            for engine in engines:
+                engine.clock = round_start
+                while engine.num_active:
+                    for req in engine.step():
+                        rank, so_far = group_tokens[req.meta["group"]]
+                        group_tokens[req.meta["group"]] = (rank, so_far + len(req.prompt_ids) + len(req.output_ids))
+            generated = max(engine.clock for engine in engines)
+            generated_groups += count
+            for draw in round_draws:
+                if not cfg.dynamic_sampling or workload.has_signal(cfg.seed, draw):
+                    rank, group_total = group_tokens[f"g{draw}"]
+                    tokens[rank] += group_total
+                    kept += 1
+            if not cfg.dynamic_sampling or kept >= cfg.prompts_per_step or rounds == MAX_EXTRA_BATCHES:
+                break
+            rounds += 1
+            for engine in engines:  # the agreement on what was kept: each waits for the slowest
+                engine.idle_s += generated - engine.clock
+                engine.clock = generated
+            round_start = generated
         train = profile.train_seconds(max(tokens), cfg.gpus, train_rng)
         clock = generated + train + profile.step_fixed_s + profile.weight_sync_s
         for engine in engines:  # each waits for the slowest, then for training and the sync
@@ -671,7 +721,8 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
             engine.clock = clock
         records.append(StepRecord(
             step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(tokens), sync_s=profile.weight_sync_s,
-            received=cfg.batch, fresh=cfg.batch, replayed=0,
+            received=generated_groups * cfg.group_size, fresh=kept * cfg.group_size, replayed=0,
+            filtered=(generated_groups - kept) * cfg.group_size,
             rollout_busy_s=sum(e.busy_s for e in engines) - busy0, rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
             engine_steps=sum(e.engine_steps for e in engines) - steps0,
             step_sequences=sum(e.step_sequences for e in engines) - sequences0,

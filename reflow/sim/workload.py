@@ -29,6 +29,9 @@ class Workload:
     one prompt has lengths alike, and it finishes with its longest member: drawing its members apart from
     all prompts' lengths would make that maximum twice the measured one (38.6 against 16.8 tokens on the
     modes benchmark's reflow run)."""
+    no_signal_fraction: float = 0.0
+    """Share of groups whose rewards are all equal (every answer right, or none): what DAPO's dynamic sampling
+    filters (``SimConfig.dynamic_sampling``). Which groups they are is a function of the seed and the draw."""
     length_schedule: tuple[tuple[int, float], ...] = ()
     """(from step, factor): the lengths are multiplied by the factor of the latest entry at or before the step
     (a workload whose rollout cost per token rises and falls: attention over a longer context costs more)."""
@@ -39,6 +42,12 @@ class Workload:
             if step >= start:
                 factor = value
         return factor
+
+    def has_signal(self, seed: int, draw: int) -> bool:
+        """Whether draw ``draw``'s group has rewards that differ (``no_signal_fraction`` of the groups do not)."""
+        if self.no_signal_fraction <= 0:
+            return True
+        return random.Random(seed * 1_000_003 + draw).random() >= self.no_signal_fraction
 
     def group_lengths(self, rng: random.Random, step: int, group_size: int) -> list[int]:
         """The response lengths of one group of ``group_size`` answers drawn at trainer step ``step``: an

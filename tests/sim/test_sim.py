@@ -195,3 +195,50 @@ def test_the_planner_follows_a_drifting_workload_both_ways():
     mechanism = QWEN3_8B_H800.transition_s
     assert all(mechanism <= t["transition_s"] < mechanism + 2.0 for t in result["transitions"]), result["transitions"]
     assert all(t["reason"] for t in result["transitions"])
+
+
+def _filtered_bound(fraction: float, groups: float) -> float:
+    """Four binomial standard errors of a filtered share over ``groups`` groups (the draws are the seed's)."""
+    return 4 * (fraction * (1 - fraction) / groups) ** 0.5
+
+
+@pytest.mark.parametrize("mode", ["async", "reflow"])
+def test_dynamic_sampling_in_the_decoupled_modes_filters_and_still_fills_every_batch(mode):
+    """The live shards filter a group without signal on arrival and refund its budget: a third of the groups
+    filtered, every step still trains exactly b samples, and no sample is evicted for staleness."""
+    workload = Workload(name="test", prompt_tokens=20, median_tokens=30, sigma=0.6, max_tokens=200, no_signal_fraction=0.3)
+    cfg = SimConfig(mode=mode, gpus=4, prompts_per_step=8, group_size=4, steps=12, replicas=2, sigma=0.5, delta=2,
+                    interval=2, b_max=32, dynamic_sampling=True)
+    result = simulate(cfg, PROFILE, workload)
+    assert result["trained_per_step"] == [32] * 12
+    assert result["evicted_unused"] == 0 and result["filtered_unused"] > 0
+    received_groups = 9 * 32 / 4 / (1 - 0.3)  # the nine steps after warm-up, at the expected share
+    assert abs(result["filtered_fraction"] - 0.3) <= _filtered_bound(0.3, received_groups), result["filtered_fraction"]
+    unfiltered = simulate(SimConfig(**{**cfg.__dict__, "dynamic_sampling": False}), PROFILE, workload)
+    assert unfiltered["filtered_fraction"] == 0.0 and unfiltered["filtered_unused"] == 0
+
+
+def test_dynamic_sampling_with_no_signal_anywhere_stops_the_simulation_as_it_stops_a_run():
+    workload = Workload(name="test", prompt_tokens=20, median_tokens=30, sigma=0.6, max_tokens=200, no_signal_fraction=1.0)
+    cfg = SimConfig(mode="reflow", gpus=4, prompts_per_step=8, group_size=4, steps=4, replicas=2, dynamic_sampling=True)
+    with pytest.raises(RuntimeError, match="reward.dynamic_sampling"):
+        simulate(cfg, PROFILE, workload)
+
+
+def test_sync_dynamic_sampling_generates_extra_rounds_for_the_missing_groups():
+    """P groups with signal every step, at the cost of extra rounds of generation (each waiting for the slowest
+    GPU); with no signal anywhere a step stops after MAX_EXTRA_BATCHES extra rounds and trains nothing."""
+    workload = Workload(name="test", prompt_tokens=20, median_tokens=30, sigma=0.6, max_tokens=200, no_signal_fraction=0.3)
+    plain = SimConfig(mode="sync", gpus=2, prompts_per_step=8, group_size=4, steps=8)
+    filtered = simulate(SimConfig(**{**plain.__dict__, "dynamic_sampling": True}), PROFILE, workload)
+    unfiltered = simulate(plain, PROFILE, workload)
+    assert filtered["trained_per_step"] == unfiltered["trained_per_step"] == [32] * 8
+    assert unfiltered["filtered_fraction"] == 0.0
+    received_groups = 5 * 8 / (1 - 0.3)  # the five steps after warm-up
+    assert abs(filtered["filtered_fraction"] - 0.3) <= _filtered_bound(0.3, received_groups), filtered["filtered_fraction"]
+    assert filtered["step_time_s"] > unfiltered["step_time_s"]
+    barren = Workload(name="test", prompt_tokens=20, median_tokens=30, sigma=0.6, max_tokens=200, no_signal_fraction=1.0)
+    nothing = simulate(SimConfig(**{**plain.__dict__, "dynamic_sampling": True, "steps": 2}), PROFILE, barren)
+    assert nothing["trained_per_step"] == [0, 0] and nothing["filtered_fraction"] == 1.0
+    with pytest.raises(ValueError, match="one_step_off"):
+        SimConfig(mode="one_step_off", gpus=4, prompts_per_step=8, group_size=4, steps=2, dynamic_sampling=True)
