@@ -4,8 +4,8 @@ executes the sandboxed interpreter, so that every process of a run, and everythi
 The filter is classic BPF, assembled here (no libseccomp needed at run time). It reads the system call's
 architecture and number (and, for a few calls, one argument) and returns:
 
-  kill     a call made through another ABI than this machine's (i386 through ``int 0x80``, x32): the numbers
-           below would not mean the same calls there
+  kill     a call made through another ABI than this machine's (i386 through ``int 0x80`` or x32 on x86_64,
+           32-bit ARM on aarch64): the numbers below would not mean the same calls there
   ENOSYS   clone3, whose flags sit in memory a filter cannot read; the C library then falls back to clone,
            whose flags it can
   EPERM    namespaces (unshare, setns, clone with a CLONE_NEW* flag), mounts and the new mount API, chroot,
@@ -22,8 +22,10 @@ architecture and number (and, for a few calls, one argument) and returns:
            without them, so copying files keeps working
   allow    everything else
 
-A syscall table exists for x86_64 only; elsewhere ``program`` raises ``SeccompUnsupported`` and the sandbox
-refuses to start (``reflow.envs.isolation``).
+Syscall tables exist for x86_64 and aarch64 (little-endian: Grace and other Arm servers). aarch64 uses the
+kernel's generic table, which has no legacy calls (mknod, inotify_init, iopl, ioperm, uselib): their *at and
+*1 successors are denied instead; calls numbered from 424 on are numbered alike on both. Elsewhere
+``program`` raises ``SeccompUnsupported`` and the sandbox refuses to start (``reflow.envs.isolation``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ from __future__ import annotations
 import errno
 import platform
 import struct
+import sys
+from dataclasses import dataclass
 
 AUDIT_ARCH_X86_64 = 0xC000003E
+AUDIT_ARCH_AARCH64 = 0xC00000B7  # EM_AARCH64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE
 X32_SYSCALL_BIT = 0x40000000
 
 # classic BPF opcodes (linux/filter.h) and seccomp return values (linux/seccomp.h)
@@ -104,6 +109,60 @@ X86_64_XATTR: dict[str, int] = {
 
 X86_64_ARGUMENT_RULES = {"clone": 56, "clone3": 435, "prlimit64": 302, "socket": 41, "ioctl": 16}
 
+AARCH64_DENIED: dict[str, int] = {
+    # namespaces and mounts
+    "unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51,
+    "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+    "mount_setattr": 442, "open_tree_attr": 467, "statmount": 457, "listmount": 458, "quotactl_fd": 443,
+    # device nodes
+    "mknodat": 33,
+    # other processes
+    "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
+    "pidfd_open": 434, "pidfd_getfd": 438, "pidfd_send_signal": 424, "process_madvise": 440, "process_mrelease": 448,
+    # memory outside the address-space limit, and io_uring
+    "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "shmat": 196, "msgget": 186, "mq_open": 180,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+    # the kernel's own interfaces
+    "init_module": 105, "finit_module": 273, "delete_module": 106, "kexec_load": 104, "kexec_file_load": 294,
+    "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "keyctl": 219, "add_key": 217, "request_key": 218,
+    "open_by_handle_at": 265, "name_to_handle_at": 264, "lookup_dcookie": 18, "fanotify_init": 262,
+    "settimeofday": 170, "clock_settime": 112, "adjtimex": 171, "clock_adjtime": 266,
+    "swapon": 224, "swapoff": 225, "acct": 89, "quotactl": 60, "reboot": 142, "syslog": 116,
+    "personality": 92, "vhangup": 58, "lsm_set_self_attr": 460,
+    # counters of the host user
+    "inotify_init1": 26,
+}
+"""aarch64's ``X86_64_DENIED`` (the generic table: no mknod, inotify_init, iopl, ioperm or uselib)."""
+
+AARCH64_XATTR: dict[str, int] = {
+    "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "getxattr": 8, "lgetxattr": 9, "fgetxattr": 10,
+    "listxattr": 11, "llistxattr": 12, "flistxattr": 13, "removexattr": 14, "lremovexattr": 15,
+    "fremovexattr": 16, "setxattrat": 463, "getxattrat": 464, "listxattrat": 465, "removexattrat": 466,
+}
+
+AARCH64_ARGUMENT_RULES = {"clone": 220, "clone3": 435, "prlimit64": 261, "socket": 198, "ioctl": 29}
+
+
+@dataclass(frozen=True)
+class SyscallTable:
+    """One architecture's numbers: what the filter checks the call's ABI against and which calls it refuses."""
+
+    machine: str
+    audit_arch: int
+    denied: dict[str, int]
+    xattr: dict[str, int]
+    argument_rules: dict[str, int]
+    """clone, clone3, prlimit64, socket and ioctl: refused or allowed by an argument (clone3 always ENOSYS)."""
+    other_abi_from: int | None
+    """Call numbers from this one on belong to another ABI on the same audit arch (x32's bit), killed."""
+
+
+TABLES = {
+    "x86_64": SyscallTable("x86_64", AUDIT_ARCH_X86_64, X86_64_DENIED, X86_64_XATTR, X86_64_ARGUMENT_RULES, X32_SYSCALL_BIT),
+    "aarch64": SyscallTable("aarch64", AUDIT_ARCH_AARCH64, AARCH64_DENIED, AARCH64_XATTR, AARCH64_ARGUMENT_RULES, None),
+}
+MACHINE_NAMES = {"x86_64": "x86_64", "AMD64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
+
 
 class SeccompUnsupported(RuntimeError):
     """No syscall table for this machine's architecture."""
@@ -113,22 +172,22 @@ def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> tuple[int, int, int, int
     return code, jt, jf, k
 
 
-def _instructions() -> list[tuple[int, int, int, int]]:
+def _instructions(table: SyscallTable) -> list[tuple[int, int, int, int]]:
     eperm, enosys, eopnotsupp = RET_ERRNO | errno.EPERM, RET_ERRNO | errno.ENOSYS, RET_ERRNO | errno.EOPNOTSUPP
     load_nr = _op(LD_W_ABS, OFFSET_NR)
     program = [
         _op(LD_W_ABS, OFFSET_ARCH),
-        _op(JEQ_K, AUDIT_ARCH_X86_64, jt=1),
+        _op(JEQ_K, table.audit_arch, jt=1),
         _op(RET_K, RET_KILL_PROCESS),
         load_nr,
-        _op(JGE_K, X32_SYSCALL_BIT, jf=1),
-        _op(RET_K, RET_KILL_PROCESS),
     ]
-    for number in X86_64_DENIED.values():  # each: "if nr == number: return EPERM"
+    if table.other_abi_from is not None:
+        program += [_op(JGE_K, table.other_abi_from, jf=1), _op(RET_K, RET_KILL_PROCESS)]
+    for number in table.denied.values():  # each: "if nr == number: return EPERM"
         program += [_op(JEQ_K, number, jf=1), _op(RET_K, eperm)]
-    for number in X86_64_XATTR.values():
+    for number in table.xattr.values():
         program += [_op(JEQ_K, number, jf=1), _op(RET_K, eopnotsupp)]
-    rules = X86_64_ARGUMENT_RULES
+    rules = table.argument_rules
     program += [_op(JEQ_K, rules["clone3"], jf=1), _op(RET_K, enosys)]
     # each block below: "if nr == N: load an argument; test it; return EPERM or fall through", then the number
     # is loaded again for the next block (both paths of a block end on that load)
@@ -152,11 +211,22 @@ def _instructions() -> list[tuple[int, int, int, int]]:
     return program
 
 
+def table_for(machine: str | None = None) -> SyscallTable:
+    """This machine's (or ``machine``'s) syscall table; ``SeccompUnsupported`` where there is none."""
+    machine = machine or platform.machine()
+    if machine not in MACHINE_NAMES or sys.byteorder != "little":
+        raise SeccompUnsupported(
+            f"the sandbox's seccomp filter has system-call tables for little-endian x86_64 and aarch64 only (this "
+            f"machine is {machine}, {sys.byteorder}-endian)"
+        )
+    return TABLES[MACHINE_NAMES[machine]]
+
+
+def instructions(machine: str | None = None) -> list[tuple[int, int, int, int]]:
+    """The filter as (code, jt, jf, k) instructions, for ``machine`` (default: this one)."""
+    return _instructions(table_for(machine))
+
+
 def program(machine: str | None = None) -> bytes:
     """The filter as the bytes of its ``struct sock_filter`` array (what ``bwrap --seccomp`` reads)."""
-    machine = machine or platform.machine()
-    if machine not in ("x86_64", "AMD64"):
-        raise SeccompUnsupported(
-            f"the sandbox's seccomp filter has a system-call table for x86_64 only (this machine is {machine})"
-        )
-    return b"".join(struct.pack("=HBBI", *instruction) for instruction in _instructions())
+    return b"".join(struct.pack("=HBBI", code, jt, jf, k) for code, jt, jf, k in instructions(machine))
