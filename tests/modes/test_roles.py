@@ -210,6 +210,7 @@ def simulated_worker(control, outbox, weights, window: int, engine=None, carried
     from reflow.sim.engine import SimEngine, SimTrajectory
     from reflow.sim.profiles import TINY_CPU
     from reflow.sim.system import SimScorer
+    from reflow.sim.workload import Workload
 
     cfg = JobConfig()
     cfg.training.group_size = GROUP
@@ -230,8 +231,9 @@ def simulated_worker(control, outbox, weights, window: int, engine=None, carried
                             "sim": SimTrajectory(rng.randint(6, 60))}) for k in range(GROUP)]
 
     engine = engine or SimEngine(TINY_CPU, 0, max_steps=4)
+    scorer = SimScorer(Workload(name="roles", prompt_tokens=8, median_tokens=30, sigma=0.0, max_tokens=64), seed=0)
     budget = DispatchBudget(DispatchRule(window=window), 0, 1, group_size=GROUP)
-    worker = RolloutWorker(cfg, engine, TurnDriver(engine, None, None), Groups(), SimScorer(), weights, control, outbox,
+    worker = RolloutWorker(cfg, engine, TurnDriver(engine, None, None), Groups(), scorer, weights, control, outbox,
                            budget, 0, [0], carried=carried, clock=lambda: engine.clock,
                            report_interval_s=report_interval_s)
     return worker, engine
@@ -323,3 +325,28 @@ def test_progress_words_in_one_poll_admit_before_the_sync_behind_them():
     started_before_sync = {rid.split("/")[0] for rid in worker.ledger["started"]}
     assert started_before_sync == {"g0", "g1", "g2", "g3"}
     assert all(req.versions[0] == 0 for req in engine.active.values())  # every one started on version 0
+
+
+def test_the_leader_restores_its_controller_only_from_a_controller_of_the_same_kind():
+    """A checkpoint holds the controller's memory and the rows since its decision; a resumed run whose
+    controller is another kind (placement.schedule then the planner, or back) starts its own afresh."""
+    from reflow.scheduler import ForcedSchedule, PlacementPlanner, PlannerSettings
+
+    def planner():
+        return PlacementPlanner(PlannerSettings(world_size=4, shard_degree=1, replica_options=(1, 2, 3), sigma=0.5, batch_size=16))
+
+    saved = Leader(Sink(), GROUP, controller=planner())
+    saved.controller.last_change_step, saved.controller.left = 6, 2
+    saved.placement_rows = [{"step": 7, "step_time_s": 1.0}]
+    state = saved.controller_state()
+    assert state["kind"] == "PlacementPlanner"
+    resumed = Leader(Sink(), GROUP, controller=planner())
+    assert resumed.load_controller_state(state) is None
+    assert resumed.controller.state() == saved.controller.state() and resumed.placement_rows == saved.placement_rows
+    scheduled = Leader(Sink(), GROUP, controller=ForcedSchedule([(8, 1)]))
+    refused = scheduled.load_controller_state(state)
+    assert "PlacementPlanner" in refused and "ForcedSchedule" in refused and scheduled.placement_rows == []
+    fresh = Leader(Sink(), GROUP, controller=planner())
+    assert "ForcedSchedule" in fresh.load_controller_state(scheduled.controller_state())
+    assert fresh.controller.state() == planner().state()
+    assert Leader(Sink(), GROUP, controller=None).controller_state() is None
