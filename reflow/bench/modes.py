@@ -24,7 +24,7 @@ of one seed back to back); each figure below is reported as the mean over seeds 
   evicted_fraction      decoupled modes, from the ledger: samples evicted unused / samples whose fate was
                         decided (trained fresh or evicted unused; those still unused at the stop are not).
                         Samples that dynamic sampling filtered (cause "no_signal") are not staleness waste:
-                        they count in neither, and in ``filtered_fraction`` (filtered / all that arrived)
+                        they count in neither, and in ``filtered_fraction`` (filtered / all samples sent)
   survival_by_length_decile  the same decided samples in ten equal-count bins of response length, shortest
                         first: the share trained fresh in each (a rule that evicts long answers shows here)
   time_to_target_s      first time the 5-step moving average of the training reward reaches --target-reward

@@ -161,9 +161,10 @@ class ModeBase:
         return self.parts.trainer_group
 
     def pause_requested(self, row: dict) -> bool:
-        """After a step's row is logged, before its checkpoint (not after the last step): leave the loop after
-        this step, before the run is finished (a placement change)? Every rank that trains must get the same
-        answer."""
+        """After a step's row is logged, before its checkpoint (after every step but training.steps' last):
+        leave the loop after this step, before the run is finished (a placement change)? After a step that
+        stops the run early the answer is recorded by its checkpoint, not acted on (``finished`` is then set).
+        Every rank that trains must get the same answer."""
         return False
 
     def train_loop(self) -> list[dict]:
@@ -198,8 +199,9 @@ class ModeBase:
             if self.step % cfg.metrics.log_freq == 0 or last:
                 parts.logger.log(self.step, row)
             # the step's placement decision comes before its checkpoint, which records the outcome (a resumed run
-            # takes up the placement this one is about to move to, and its controller has made the decision)
-            pause = not last and self.pause_requested(row)
+            # takes up the placement this one is about to move to, and its controller has made the decision). A
+            # run stopped early (time budget, signal) decides too, for the run that resumes it, but does not move
+            pause = self.step < cfg.training.steps and self.pause_requested(row)
             if parts.checkpoints.should_save(self.step, last) and self.diverged is None:
                 extra, files = self.checkpoint_state()
                 path = parts.checkpoints.save(self.step, parts.trainer, extra, files)

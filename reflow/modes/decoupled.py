@@ -422,9 +422,10 @@ class DecoupledMode(ModeBase):
             if self.is_trainer:
                 self.change_to = None
                 history += self.train_loop()
+                # a run that stopped early may have decided a change: its checkpoint holds it for the resumed run
+                target = None if self.finished else self.change_to
                 if self.leader is not None:
-                    self.control.broadcast(Transition(self.change_to) if self.change_to else Stop(), self.rollout_workers)
-                target = self.change_to
+                    self.control.broadcast(Transition(target) if target else Stop(), self.rollout_workers)
             else:
                 if self.is_follower:
                     command = follow(self.parts.engine, self.mirror, self.weight_sync)
@@ -516,7 +517,9 @@ class DecoupledMode(ModeBase):
             return
         controller = checkpoints.read_files("placement-controller").get("placement-controller")
         if self.leader is not None and controller is not None:
-            self.leader.load_controller_state(controller)
+            refused = self.leader.load_controller_state(controller)
+            if refused is not None:
+                self.parts.logger.info(refused)
         self.prompt_frontier, self.prompt_holes = stream["frontier"], list(stream["holes"])
         self._drawn = self.prompt_frontier
         restored = 0

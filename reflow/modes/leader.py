@@ -169,13 +169,19 @@ class Leader:
         (None without a controller)."""
         if self.controller is None:
             return None
-        return {"controller": self.controller.state(), "window": list(self.placement_rows)}
+        return {"kind": type(self.controller).__name__, "controller": self.controller.state(), "window": list(self.placement_rows)}
 
-    def load_controller_state(self, state: dict) -> None:
-        """Take up ``controller_state()`` of the run this one resumes."""
-        if self.controller is not None:
-            self.controller.load_state(state["controller"])
-            self.placement_rows = list(state["window"])
+    def load_controller_state(self, state: dict) -> str | None:
+        """Take up ``controller_state()`` of the run this one resumes. A controller of another kind (the resumed
+        run switched between placement.schedule and the planner) starts afresh: returns why, or None."""
+        if self.controller is None:
+            return None
+        kind = type(self.controller).__name__
+        if state.get("kind") != kind:
+            return f"the checkpoint's placement controller was {state.get('kind')}, this run's is {kind}: it starts afresh"
+        self.controller.load_state(state["controller"])
+        self.placement_rows = list(state["window"])
+        return None
 
     def logs_decision(self, decision: PlacementDecision) -> bool:
         """A forced schedule's no-ops are noise; every other decision is logged."""
