@@ -75,7 +75,8 @@ def run_mode(mode: str, args, overrides: list[str], seed: int = 0) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"mode {mode} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     with open(os.path.join(dump, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
+        # the steps' rows: an evaluation's, a placement decision's or a transition's row has no loss
+        rows = [row for row in map(json.loads, f) if "loss" in row]
     return {
         "rows": rows,
         "dump": dump,
