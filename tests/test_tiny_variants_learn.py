@@ -11,10 +11,12 @@ import pytest
 
 from tests.conftest import require_kernel_sandbox, run_torchrun
 
-# config, steps, learning rate, the least rise of the held-out reward from the starting policy to the final one
-# (measured on 256 prompts, paired: the same prompts and sampling seeds for both policies)
+# config, steps, the least rise of the held-out reward from the starting policy to the final one (measured on 256
+# prompts, paired: the same prompts and sampling seeds for both policies). The decoupled runs are not
+# deterministic, so the rise varies from run to run: math at 80 steps rose 0.039 to 0.153 over seven runs (mean
+# 0.104, sd 0.035: a bound of 0.04 failed one run in seven), at 120 steps 0.125, 0.145, 0.195
 VARIANTS = {
-    "math": ("train_configs/tiny_math.toml", 80, 0.04),
+    "math": ("train_configs/tiny_math.toml", 120, 0.04),
     "retool": ("train_configs/tiny_retool.toml", 40, 0.08),
     "coding": ("train_configs/tiny_coding.toml", 40, 0.03),
 }
