@@ -44,6 +44,7 @@ import sys
 import time
 
 from reflow.bench.launch import free_port
+from reflow.modes.ledger import filtered_uids
 
 MODES = ("sync", "one_step_off", "async", "reflow")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -173,7 +174,7 @@ def ledger_summary(dump: str) -> dict:
     lengths = {e["uid"]: e["response_len"] for led in ledgers for e in led["sent"] if "response_len" in e}
     trained = {c["uid"] for led in ledgers for c in led["consumed"]}
     causes = {uid: cause for led in ledgers for uid, cause in led.get("eviction_causes", {}).items()}
-    filtered = {u for led in ledgers for u in led["evicted_unused"] if causes.get(u) == "no_signal"}
+    filtered = set(filtered_uids([u for led in ledgers for u in led["evicted_unused"]], causes))
     evicted = {u for led in ledgers for u in led["evicted_unused"]} - filtered
     decided = sorted((lengths[u], u in trained) for u in (trained | evicted) if u in lengths)
     filtered_fraction = len(filtered) / len(lengths) if lengths else 0.0

@@ -33,7 +33,7 @@ from reflow.distributed.placement import Placement
 from reflow.modes.base import Components, ModeBase, StepTimer
 from reflow.modes.commands import Stop, SyncWeights, Transition
 from reflow.modes.leader import Leader
-from reflow.modes.ledger import EVICTION_CAUSES, merge_rollout_ledger, new_ledger, write_ledger
+from reflow.modes.ledger import EVICTION_CAUSES, FILTERED, merge_rollout_ledger, new_ledger, write_ledger
 from reflow.modes.prompts import initial_shares, reassign
 from reflow.modes.resume import restored_share, shard_files, stream_position
 from reflow.modes.rollout_worker import RolloutWorker
@@ -353,7 +353,7 @@ class DecoupledMode(ModeBase):
             "masked_token_frac": total["masked"] / total["model_tokens"] if total["model_tokens"] else 0.0,
             "evicted_unused": sum(evicted.values()),
             **{f"evicted_{cause}": count for cause, count in evicted.items()},
-            "dynamic_sampling_filtered_frac": evicted["no_signal"] / received if received else 0.0,
+            "dynamic_sampling_filtered_frac": evicted[FILTERED] / received if received else 0.0,
             "head_lag_counts": [int(x) for x in total["head_lags"]],
             "survival_by_length_decile": survival_by_decile([pair for part in retired for pair in part]),
             "buffer_size_max": int(buffered),

@@ -17,7 +17,17 @@ from __future__ import annotations
 import json
 import os
 
-EVICTION_CAUSES = ("arrived_stale", "aged", "at_sync", "no_signal")
+FILTERED = "no_signal"
+"""The eviction cause of the samples dynamic sampling filtered: not staleness waste, since no rule could have
+trained them (their group carried no gradient)."""
+
+
+def filtered_uids(evicted_unused: list[str], causes: dict[str, str]) -> list[str]:
+    """Of ``evicted_unused``, the samples dynamic sampling filtered (the others were evicted for staleness)."""
+    return [uid for uid in evicted_unused if causes.get(uid) == FILTERED]
+
+
+EVICTION_CAUSES = ("arrived_stale", "aged", "at_sync", FILTERED)
 """Why an unused sample was evicted: it was already past its bound when it arrived; it aged past it in the
 buffer while the trainer waited or stepped; it was found past it at a weight sync; or its group's rewards were
 all equal (dynamic sampling, reward.dynamic_sampling: dropped on arrival, never buffered)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reflow.algorithms.shaping import MAX_EXTRA_BATCHES, has_signal
-from reflow.modes.ledger import EVICTION_CAUSES
+from reflow.modes.ledger import EVICTION_CAUSES, FILTERED
 from reflow.replay import ReplayBuffer
 from reflow.replay.buffer import BatchPlan
 from reflow.rewards import outcome_reward
@@ -79,7 +79,7 @@ class TrainerShard:
             # DAPO eq. 11: zero advantage under every group baseline, no gradient. Retired at once, so the
             # window reopens; counted as filtered, so its per-step credit comes back (no deadlock under B_max)
             for sample in samples:
-                self._evicted_unused(sample, "no_signal")
+                self._evicted_unused(sample, FILTERED)
                 if 0 <= sample.origin < len(self.filtered):
                     self.filtered[sample.origin] += 1
             self.filtered_in_a_row += len(samples)
@@ -137,7 +137,7 @@ class TrainerShard:
 
     def _evicted_unused(self, sample: Sample, cause: str) -> None:
         # a filtered sample retires (the window) but is no staleness loss: survival by length leaves it out
-        self._retire(sample, trained=False, survival=cause != "no_signal")
+        self._retire(sample, trained=False, survival=cause != FILTERED)
         self.ledger["evicted_unused"].append(sample.uid)
         self.ledger["eviction_causes"][sample.uid] = cause
         self.window.evicted[cause] += 1

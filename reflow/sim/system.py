@@ -51,7 +51,7 @@ from reflow.config.mode_settings import resolve_settings
 from reflow.distributed.placement import placement_name
 from reflow.modes.commands import Command, SyncWeights, Transition
 from reflow.modes.leader import Leader
-from reflow.modes.ledger import new_ledger
+from reflow.modes.ledger import filtered_uids, new_ledger
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
@@ -633,7 +633,7 @@ class DecoupledSim:
             reported = self.leader.rollout_window.close()
             self._collect_latencies()
             evicted_now = self.ledger["evicted_unused"][evicted_before:]
-            filtered = sum(self.ledger["eviction_causes"][uid] == "no_signal" for uid in evicted_now)
+            filtered = len(filtered_uids(evicted_now, self.ledger["eviction_causes"]))
             record = StepRecord(
                 step=self.steps_done, start=step_start, end=self.clock, wait_s=ready - step_start,
                 trainer_tokens=sum(rank_tokens), received=self.received,
@@ -655,7 +655,7 @@ class DecoupledSim:
                     self.transitions[-1]["reason"] = decision.reason
         result = summarize(self.records, cfg.warmup_steps, self.transitions)
         # staleness waste, as the modes benchmark counts it: filtered samples had no signal for any rule to train
-        filtered = sum(cause == "no_signal" for cause in self.ledger["eviction_causes"].values())
+        filtered = len(filtered_uids(self.ledger["evicted_unused"], self.ledger["eviction_causes"]))
         evicted = len(self.ledger["evicted_unused"]) - filtered
         result["evicted_unused"] = evicted
         result["filtered_unused"] = filtered
