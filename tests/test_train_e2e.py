@@ -75,13 +75,18 @@ def test_bad_config_fails_before_starting(tmp_path):
 
 def test_sync_dynamic_sampling_trains_exactly_the_batch_of_groups_with_signal(tmp_path):
     """Sync mode with DAPO's dynamic sampling: groups whose rewards are all equal are dropped and more prompts
-    generated until the step has exactly prompts_per_step groups with signal, on 2 ranks."""
+    generated until the step has exactly prompts_per_step groups with signal, on 2 ranks.
+
+    The ranks keep different numbers of groups, so in micro-batches of 2 rows and two minibatches they run
+    different numbers of real passes: before issue 37's fix they agreed on the padding passes after their
+    own and the run hung in crossed collectives from step 2 (the timeout below ends such a hang)."""
     dump = str(tmp_path / "run")
     run_torchrun(2, [
         "-m", "reflow.train", "--config", "train_configs/tiny.toml", f"--job.dump_folder={dump}",
         "--training.prompts_per_step=8", "--training.group_size=4", "--training.steps=3",
+        "--training.micro_batch_size=2", "--training.num_minibatches=2",
         "--reward.dynamic_sampling=true", "--checkpoint.export_hf=false", "--metrics.enable_tensorboard=false",
-    ])
+    ], timeout=300)
     rows = _rows(dump)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # a uniform group is drawn with probability ~0.3 at this policy's rewards: over 24+ groups some are

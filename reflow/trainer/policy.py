@@ -387,7 +387,10 @@ class PolicyTrainer:
 
     def _padding(self, count: int, template: TrainBatch) -> list[TrainBatch]:
         """Zero-weight micro-batches so every rank of the placement runs as many forward/backward passes
-        (FSDP's collectives) as the busiest one."""
+        (FSDP's collectives) as the busiest one. Collective: call it *before* the first real pass. Agreed
+        after the local passes, a rank with fewer micro-batches would enter this all-reduce while another
+        is still inside a real pass's FSDP all-gather, and the two collectives would cross (a hang until
+        the collective timeout: issue 37)."""
         most = torch.tensor([count], dtype=torch.long)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         return [zero_batch(template) for _ in range(int(most.item()) - count)]
@@ -402,15 +405,16 @@ class PolicyTrainer:
         """``compute_logprobs`` of several batches, padded once over all of them: ranks of a placement may
         serve different numbers of virtual ranks, and must still run as many forwards (FSDP all-gathers)."""
         model = model or self.model
-        outs, passes = [], 0
-        for batch in segments:
+        planned = [self._micro_batches(batch) for batch in segments]
+        padding = self._padding(sum(len(mbs) for mbs in planned), segments[0])  # agreed before any forward
+        outs = []
+        for batch, micro_batches in zip(segments, planned):
             out = torch.zeros(batch.size, batch.tokens.shape[1] - 1)
-            for rows, mb in self._micro_batches(batch):
+            for rows, mb in micro_batches:
                 lp = self._logprobs(model, mb.tokens.to(self.device)).cpu()
                 out[rows, : lp.shape[1]] = lp
-                passes += 1
             outs.append(out)
-        for mb in self._padding(passes, segments[0]):
+        for mb in padding:
             self._logprobs(model, mb.tokens.to(self.device))
         return outs
 
@@ -521,15 +525,15 @@ class PolicyTrainer:
         den_v = max(den.item(), 1e-8)
         stats = dict.fromkeys(_STAT_KEYS, 0.0)
         stats["max_diff"] = 0.0
-        passes = 0
-        for batch, old_lp, ref_lp in parts:
-            for rows, mb in self._micro_batches(batch):
+        planned = [self._micro_batches(batch) for batch, _, _ in parts]
+        padding = self._padding(sum(len(mbs) for mbs in planned), parts[0][0])  # agreed before any forward
+        for (batch, old_lp, ref_lp), micro_batches in zip(parts, planned):
+            for rows, mb in micro_batches:
                 width = mb.loss_mask.shape[1]
                 mb_old = old_lp[rows, :width] if old_lp is not None else None
                 mb_ref = ref_lp[rows, :width] if ref_lp is not None else None
                 self._backward(mb, mb_old, mb_ref, den_v, stats)
-                passes += 1
-        for mb in self._padding(passes, parts[0][0]):
+        for mb in padding:
             self._backward(mb, None, None, den_v, stats, padding=True)
         training = self.cfg.training
         lr = training.lr * self.schedule.lr_factor(self.num_updates)

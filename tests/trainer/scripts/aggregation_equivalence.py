@@ -57,19 +57,23 @@ EXTRAS = {
 }
 
 
-def run(aggregation: str, policy: str, split: bool, extras: dict | None = None) -> dict:
+def run(aggregation: str, policy: str, split: bool, extras: dict | None = None, *, uneven: bool = False,
+        micro_batch_size: int | None = None, minibatches: int = 1) -> dict:
     cfg = JobConfig()
     cfg.training.lr = 1e-3
     cfg.training.max_norm = 0.0  # the update sees the raw gradient
     cfg.loss.aggregation, cfg.loss.policy = aggregation, policy
     cfg.off_policy.cap = 10.0
-    cfg.training.micro_batch_size = 2 if split else ROWS
+    cfg.training.micro_batch_size = micro_batch_size or (2 if split or uneven else ROWS)
+    cfg.training.num_minibatches = minibatches
     for dotted, value in (extras or {}).items():
         section, key = dotted.split(".")
         setattr(getattr(cfg, section), key, value)
     trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
     batch = global_batch()
-    if split:  # rows 0, 2, 4, 6 on rank 0 and 1, 3, 5, 7 on rank 1: two micro-batches each
+    if uneven:  # rows 0-5 on rank 0 and 6-7 on rank 1 (sync mode's dynamic sampling keeps groups unevenly)
+        mine = index(batch, torch.arange(0, 6) if rank == 0 else torch.arange(6, ROWS))
+    elif split:  # rows 0, 2, 4, 6 on rank 0 and 1, 3, 5, 7 on rank 1: two micro-batches each
         mine = index(batch, torch.arange(rank, ROWS, 2))
     else:
         mine = batch if rank == 0 else zero_batch(batch)
@@ -82,8 +86,12 @@ def run(aggregation: str, policy: str, split: bool, extras: dict | None = None) 
 
     trainer.optimizer.step = record_then_step
     stats = trainer.train_step(mine)
-    return {"loss": stats.loss, "grad_norm": stats.grad_norm, "grad": grads[0], "lr": stats.lr,
+    return {"loss": stats.loss, "grad_norm": stats.grad_norm, "grad": grads[0], "grads": grads, "lr": stats.lr,
             "dropped": stats.off_policy_dropped_frac, "entropy": stats.entropy, "kl": stats.kl_ref}
+
+
+def max_diff(a: list, b: list) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 report = {}
@@ -102,6 +110,26 @@ for aggregation, policy, extra in cases:
         "grad_max_abs": whole["grad"].abs().max().item(),
         "grad_max_diff": (whole["grad"] - split["grad"]).abs().max().item(),
     }
+# unequal micro-batch counts across the ranks (3 on rank 0, 1 on rank 1 per pass), through the log-prob passes
+# of a masking correction and of the reference and through the update: each rank must agree on its padding
+# passes before its first real one, or its collectives cross the other rank's FSDP all-gathers
+masked = EXTRAS["kl_reward+token_mask+entropy"]
+whole = run("token_mean", "ppo_clip", False, masked)
+uneven = run("token_mean", "ppo_clip", False, masked, uneven=True)
+report["uneven/one_minibatch"] = {
+    "loss": [whole["loss"], uneven["loss"]], "grad_norm": [whole["grad_norm"], uneven["grad_norm"]],
+    "grad_max_abs": whole["grad"].abs().max().item(), "grad_max_diff": max_diff(whole["grads"], uneven["grads"]),
+    "dropped": [whole["dropped"], uneven["dropped"]],
+}
+# two minibatches of the uneven split (rank 0: 3 + 3 rows in micro-batches of 2, rank 1: 1 + 1), against the
+# same rows in one micro-batch per minibatch (equal counts): the same permutations, so the same two updates
+many = run("token_mean", "ppo_clip", False, masked, uneven=True, micro_batch_size=2, minibatches=2)
+one = run("token_mean", "ppo_clip", False, masked, uneven=True, micro_batch_size=ROWS, minibatches=2)
+report["uneven/two_minibatches"] = {
+    "loss": [one["loss"], many["loss"]], "grad_norm": [one["grad_norm"], many["grad_norm"]],
+    "grad_max_abs": max(g.abs().max().item() for g in one["grads"]), "grad_max_diff": max_diff(one["grads"], many["grads"]),
+    "updates": [len(one["grads"]), len(many["grads"])], "dropped": [one["dropped"], many["dropped"]],
+}
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f, indent=1)
