@@ -302,8 +302,8 @@ class RolloutSection:
     """B_max ('reflow' mode): most samples that may start generating between two trainer steps, over all
     rollout ranks (a multiple of group_size, >= the batch); credit a step leaves unused expires. 0 = the batch,
     prompts_per_step * group_size, as in the paper. On top of it, as in 'async', the samples started but not
-    yet trained stay within a window: (delta - weight_sync.interval + 1) batches plus ceil(b (1 - sigma))
-    samples, the fewest fresh samples a step retires (docs/decoupled_protocol.md)."""
+    yet trained stay within async's window, (delta - weight_sync.interval + 2) batches, or with
+    replay.strict_window one batch less plus ceil(b (1 - sigma)) samples (docs/decoupled_protocol.md)."""
 
     def rules(self) -> list[tuple[str, str]]:
         """(field, what is wrong) for combinations within the section."""
@@ -353,6 +353,12 @@ class ReplaySection:
     """'async' and 'reflow': the version a sample's staleness counts from. 'finish': the version at which its
     group finished, as verl's fully-async stamps it (a long answer is as fresh as a short one that arrives with
     it); 'start': the version that produced its oldest token. 'one_step_off' always counts from the start."""
+    strict_window: bool = False
+    """'reflow': admit at most steps_ahead x b + ceil(b(1 - sigma)) samples ahead of the trainer (in whole groups)
+    instead of async's (steps_ahead + 1) x b. The strict window guarantees that nothing is generated in vain
+    (no sample outlives its staleness bound unused), at the price of a rollout that idles more; the default
+    keeps the rollout as busy as async's and may evict a few samples (docs/decoupled_protocol.md gives both
+    guarantees and the worst case measured)."""
     max_head_lag: int = 0
     """'async' and 'reflow': model tokens more than this many versions behind the policy being trained are
     masked out of the loss (the rest of the trajectory still trains). 0 (default): 2 x delta, so a token is at

@@ -26,6 +26,12 @@ class ModeSettings:
     """The version staleness counts from: 'finish' (the group's completion) or 'start' (its oldest token)."""
     max_head_lag: int | None
     """Model tokens more than this many versions behind the trained policy are masked out (None: no mask)."""
+    first_tokens_before_sync: bool = False
+    """Before a weight sync (or a placement change) a rollout worker steps its engine until every admitted
+    request has a token, so a sample's oldest token comes from the version it was admitted under (I1).
+    one_step_off needs it for its exactness (every trained sample exactly one version old, counted from the
+    start); async and reflow do not: a request without a token waits in the queue across the sync and is born
+    under the newer weights, fresher and never staler, and the trainers do not wait for those prefill steps."""
 
 
 def resolve_settings(cfg: JobConfig) -> ModeSettings:
@@ -37,7 +43,7 @@ def resolve_settings(cfg: JobConfig) -> ModeSettings:
         # verl's one-step-off: the batch the previous policy began, so staleness counts from the start and is 1
         return ModeSettings(
             sigma=0.0, tau=1.0, delta=1, interval=1, min_staleness=1, steps_ahead=1, dispatch=DispatchRule(window=2 * batch),
-            anchor="start", max_head_lag=None,
+            anchor="start", max_head_lag=None, first_tokens_before_sync=True,
         )
     if training.mode not in ("async", "reflow"):
         raise ValueError(f"training.mode {training.mode!r} is not a decoupled mode")
@@ -50,11 +56,13 @@ def resolve_settings(cfg: JobConfig) -> ModeSettings:
     )
     if training.mode == "async":
         return ModeSettings(sigma=0.0, tau=1.0, dispatch=DispatchRule(window=window), **common)
-    # a reflow step may retire as few as ceil(b (1 - sigma)) fresh samples (the rest of its batch replayed), not b:
-    # the window that wastes nothing is then steps_ahead batches plus that floor, in whole groups (the essay in
-    # docs/decoupled_protocol.md says why); with sigma 0 it is async's
-    floor_groups = min_fresh(batch, replay.sigma) // training.group_size
-    window = steps_ahead * batch + floor_groups * training.group_size
+    # reflow admits as far ahead as async (the rollout never idles more than async's), bounded per step by B_max;
+    # a step may retire as few as ceil(b (1 - sigma)) fresh samples (the rest of its batch replayed), not b, so
+    # replay.strict_window narrows the window to steps_ahead batches plus that floor, in whole groups: then
+    # nothing can outlive its bound unused (docs/decoupled_protocol.md: both guarantees, the worst case found)
+    if replay.strict_window:
+        floor_groups = min_fresh(batch, replay.sigma) // training.group_size
+        window = steps_ahead * batch + floor_groups * training.group_size
     return ModeSettings(
         sigma=replay.sigma, tau=replay.tau, dispatch=DispatchRule(window=window, per_step=cfg.rollout.b_max or batch),
         **common,

@@ -383,6 +383,7 @@ class DecoupledMode(ModeBase):
             TaskScorer(parts.task, parts.tokenizer, advantage_estimator(cfg), parts.rewards),
             self.weight_sync, self.control, self.outbox, budget, index, self.trainer_ranks,
             evaluate=evaluate, evaluate_first=self._evaluates_start, carried=self.carried,
+            first_tokens_before_sync=self.settings.first_tokens_before_sync,
         )
 
     @property

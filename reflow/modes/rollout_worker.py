@@ -1,9 +1,10 @@
 """One rollout rank of a decoupled run: admit groups, step the engine, route finished groups, obey commands.
 
     loop  1. commands     take what trainer rank 0 sent (only here, never inside an engine step):
-                            SyncWeights(v)  step until every admitted request has its first token, hold
-                                            the requests in flight with their prefix, join the weight
-                                            sync, resume them under version v (partial rollouts)
+                            SyncWeights(v)  (one_step_off: step until every admitted request has its first
+                                            token) hold the requests in flight with their prefix, join the
+                                            weight sync, resume them under version v (partial rollouts; a
+                                            request without a token starts under v)
                             Progress        hand the trainer's counts (and, with the global dispatcher,
                                             this rank's grants) to the dispatch budget, and the shards'
                                             unused counts to the router
@@ -23,9 +24,10 @@
                           (the send happens on the outbox thread)
           4. idle         nothing in flight: block on the control inbox until a command arrives
 
-Step 1's first-token rule makes a sample's birth version (its oldest token) equal to the version it was
-admitted under, which is what lets the dispatch budget, and nothing else, decide how stale samples get. A
-group the gate holds back starts later, under weights at least as new: it can only be fresher.
+one_step_off's first-token rule (``ModeSettings.first_tokens_before_sync``) makes a sample's birth version (its
+oldest token) equal to the version it was admitted under, which its exactness needs. async and reflow skip
+it: a request with no token yet is held empty and starts under the new weights, later and fresher, never
+staler, as a group the gate holds back does; so the trainers never wait on those prefill steps at a sync.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class RolloutWorker:
         carried: list[HeldGroup] | None = None,
         clock: Callable[[], float] = time.time,
         report_interval_s: float = 1.0,
+        first_tokens_before_sync: bool = False,
     ):
         self.cfg = cfg
         self.rollout_index = rollout_index
@@ -121,6 +124,8 @@ class RolloutWorker:
         self.report_interval_s = report_interval_s
         """Seconds between its reports (WorkerStats) to the leader."""
         self.gate = AdmissionGate(cfg, engine, self.group_size, turns, clock=clock)
+        self.first_tokens_before_sync = first_tokens_before_sync
+        """one_step_off: step until every admitted request has a token before holding them (I1)."""
         self._next_group: tuple | None = None  # ((draw, version), its requests) while it waits on the gate
         self.commands: deque = deque()
         self.evaluate_first = evaluate_first
@@ -211,17 +216,13 @@ class RolloutWorker:
         """A placement change: hold everything in flight as partial rollouts, to hand to the new placement's
         rollout workers (the change costs its mechanism, not a drain of the longest answers).
 
-          1. step until every admitted request has its first token (I1, as before a weight sync)
-          2. hold the engine's requests with their prefix
+          1. one_step_off: step until every admitted request has its first token (I1, as before a weight sync)
+          2. hold the engine's requests with their prefix (a request without a token is held empty)
           3. trajectories at their environment (a tool call, or scoring) come back within its time limit: step
              until none is left there, holding each one that re-enters the engine
           4. every group with a held request, with its members that already finished"""
         t0 = self.clock()
-        sequences = self.engine.num_active
-        started = self.turns.step_until_started()
-        self.gate.after_step([len(req.output_ids) for req in started], sequences)
-        for req in started:
-            self._finished(req)
+        self._first_tokens()
         held = self.turns.hold_all()
         while self.turns.num_waiting_on_tools or self.turns.scoring:
             for req in self.turns.step():
@@ -252,13 +253,20 @@ class RolloutWorker:
             self.ledger["handed_in"] += group.request_ids
         self.carried_in = []
 
-    def _sync(self, version: int) -> None:
-        t0 = self.clock()
+    def _first_tokens(self) -> None:
+        """one_step_off only (I1): step until every admitted request has a token, so every token of an admitted
+        request comes from its admission version on. async and reflow hold a request without a token as it is."""
+        if not self.first_tokens_before_sync:
+            return
         sequences = self.engine.num_active
-        started = self.turns.step_until_started()  # I1: every token of an admitted request is from its admission version on
+        started = self.turns.step_until_started()
         self.gate.after_step([len(req.output_ids) for req in started], sequences)
         for req in started:
             self._finished(req)
+
+    def _sync(self, version: int) -> None:
+        t0 = self.clock()
+        self._first_tokens()
         held = self.turns.hold_all()  # trajectories waiting on a tool stay there, and resume under version v
         self._count_busy(self.clock() - t0)
         self._tell_followers("sync", version)

@@ -109,7 +109,7 @@ def cmd_validate(args) -> int:
         sim = simulate(SimConfig(
             mode=mode, gpus=world, prompts_per_step=cfg.training.prompts_per_step, group_size=cfg.training.group_size,
             steps=steps, replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
-            sigma=cfg.replay.sigma, tau=cfg.replay.tau, delta=cfg.replay.delta,
+            sigma=cfg.replay.sigma, tau=cfg.replay.tau, delta=cfg.replay.delta, strict_window=cfg.replay.strict_window,
             interval=1 if mode == "sync" else cfg.weight_sync.interval, b_max=cfg.rollout.b_max, warmup_steps=bench["warmup"],
             macro_steps=1,  # the live engine's granularity: admission and commands after every decode step
         ), profiles[mode], workload)

@@ -89,6 +89,8 @@ class SimConfig:
     margin: float = 0.1
     horizon_steps: int = 20
     warmup_steps: int = 3
+    strict_window: bool = False
+    """replay.strict_window: reflow's narrower window (nothing outlives its bound unused)."""
     dynamic_sampling: bool = False
     """reward.dynamic_sampling: groups without reward signal (``Workload.no_signal_fraction``) are filtered, in
     the decoupled modes by the live shards, in sync by extra rounds of generation (as ``SyncMode``)."""
@@ -113,6 +115,7 @@ class SimConfig:
         cfg.training.mode = self.mode
         cfg.training.prompts_per_step, cfg.training.group_size = self.prompts_per_step, self.group_size
         cfg.replay.sigma, cfg.replay.tau, cfg.replay.delta = self.sigma, self.tau, self.delta
+        cfg.replay.strict_window = self.strict_window
         cfg.weight_sync.interval = self.interval
         cfg.rollout.b_max = self.b_max
         cfg.rollout.max_num_seqs = profile.max_num_seqs
@@ -404,7 +407,7 @@ class DecoupledSim:
                 DispatchBudget(self.settings.dispatch, index, num_rollout, cfg.group_size, start_step=self.steps_done,
                                dealt=dealt_dispatch),
                 index, list(range(num_shards)), carried=carried[index], clock=self._clock_of(engine),
-                report_interval_s=cfg.report_interval_s,
+                report_interval_s=cfg.report_interval_s, first_tokens_before_sync=self.settings.first_tokens_before_sync,
             )
             for index, engine in enumerate(self.engines)
         ]

@@ -199,9 +199,12 @@ def test_decoupled_dispatch_rules_resolved_per_mode():
     assert (asy.steps_ahead, asy.dispatch.window, asy.dispatch.per_step) == (2, 48, 0)  # delta - k + 1 = 2
     assert (asy.anchor, asy.max_head_lag) == ("finish", 6)  # from the finish; tokens within 2 x delta train
     ref = resolve_settings(m.parse_args([*base, "--training.mode=reflow"]))
-    # delta 2, k 1: 2 batches ahead plus the 12 fresh samples (sigma 0.25) a step retires at the least, in whole
-    # groups of 4; B_max defaults to the batch
-    assert (ref.dispatch.window, ref.dispatch.per_step) == (44, 16)
+    # delta 2, k 1: async's window, 3 batches; B_max defaults to the batch
+    assert (ref.dispatch.window, ref.dispatch.per_step) == (48, 16)
+    strict = resolve_settings(m.parse_args([*base, "--training.mode=reflow", "--replay.strict_window=true"]))
+    # the strict window: 2 batches ahead plus the 12 fresh samples (sigma 0.25) a step retires at the least, in
+    # whole groups of 4
+    assert (strict.dispatch.window, strict.dispatch.per_step) == (44, 16)
     assert (one.anchor, one.max_head_lag) == ("start", None)  # one_step_off: exactly one version from the start
     ref = resolve_settings(m.parse_args([*base, "--training.mode=reflow", "--replay.staleness_from=start",
                                          "--replay.max_head_lag=5"]))

@@ -199,7 +199,8 @@ class Collect:
             self.reports.append(body)
 
 
-def simulated_worker(control, outbox, weights, window: int, engine=None, carried=None, report_interval_s=1.0):
+def simulated_worker(control, outbox, weights, window: int, engine=None, carried=None, report_interval_s=1.0,
+                     first_tokens_before_sync=False):
     """The live RolloutWorker over a simulated engine, groups of 4 whose answers are 6 to 60 tokens long."""
     import random
 
@@ -235,7 +236,7 @@ def simulated_worker(control, outbox, weights, window: int, engine=None, carried
     budget = DispatchBudget(DispatchRule(window=window), 0, 1, group_size=GROUP)
     worker = RolloutWorker(cfg, engine, TurnDriver(engine, None, None), Groups(), scorer, weights, control, outbox,
                            budget, 0, [0], carried=carried, clock=lambda: engine.clock,
-                           report_interval_s=report_interval_s)
+                           report_interval_s=report_interval_s, first_tokens_before_sync=first_tokens_before_sync)
     return worker, engine
 
 
@@ -245,21 +246,32 @@ class ReloadSameWeights:
         return {}
 
 
-def test_a_rollout_worker_over_a_simulated_engine_keeps_the_first_token_rule_across_a_sync_and_hands_over():
-    """The live RolloutWorker, driven tick by tick: it admits the window's groups, takes the first-token steps
-    before a weight sync (every admitted request's oldest token is from the version it started under), resumes
-    its partial rollouts under the new version, and at a Transition holds what is in flight; a new worker
-    resumes the handed-over groups first. Every request started has exactly one fate."""
+@pytest.mark.parametrize("first_tokens", [True, False], ids=["one_step_off", "async_reflow"])
+def test_a_rollout_worker_over_a_simulated_engine_keeps_its_birth_rule_across_a_sync_and_hands_over(first_tokens):
+    """The live RolloutWorker, driven tick by tick: it admits the window's groups; before a weight sync it takes
+    the first-token steps in one_step_off (every admitted request's oldest token is from the version it started
+    under) and none in async and reflow (a request without a token is held empty and born under the new
+    version: later, never staler); it resumes its partial rollouts under the new version, and at a Transition
+    holds what is in flight; a new worker resumes the handed-over groups first. Every request started has
+    exactly one fate."""
     control, outbox = ScriptedControl(), Collect()
-    worker, engine = simulated_worker(control, outbox, ReloadSameWeights(), window=4 * GROUP)
+    worker, engine = simulated_worker(control, outbox, ReloadSameWeights(), window=4 * GROUP,
+                                      first_tokens_before_sync=first_tokens)
     worker.start()
     for _ in range(3):
         assert worker.tick() is None
     assert len(worker.ledger["started"]) == 4 * GROUP  # the window, whole groups
-    control.queue.append(SyncWeights(1))
-    assert worker.tick() is None
-    assert engine.version == 1 and all(req.output_ids for req in engine.active.values())
-    control.queue.append(Progress(steps_done=1, retired=2 * GROUP))  # room for two more groups, on version 1
+    # room for two more groups and a sync in one poll: g4 and g5 are admitted on version 0 just before the sync,
+    # with no token yet
+    control.queue.extend([Progress(steps_done=1, retired=2 * GROUP), SyncWeights(1)])
+    assert worker.take_commands() is None
+    tokenless = set(worker.ledger["started"][4 * GROUP :])
+    assert engine.version == 1 and {rid.split("/")[0] for rid in tokenless} == {"g4", "g5"}
+    if first_tokens:
+        assert all(req.output_ids for req in engine.active.values())
+    else:
+        assert all(not engine.active[rid].output_ids for rid in tokenless if rid in engine.active)
+    control.queue.append(Progress(steps_done=2, retired=4 * GROUP))  # room for two more groups, on version 1
     for _ in range(1000):
         if len(outbox.groups) >= 3:
             break
@@ -271,9 +283,12 @@ def test_a_rollout_worker_over_a_simulated_engine_keeps_the_first_token_rule_acr
     assert sorted(worker.ledger["started"]) == sorted(sent + handed)  # one fate each
     for samples in outbox.groups:
         draw = samples[0].draw
-        started_on = 0 if draw < 4 else 1
+        started_on = 0 if draw < 6 else 1
         assert all(s.versions == sorted(s.versions) for s in samples)  # what Sample.birth_version relies on
-        assert all(s.birth_version == started_on and s.finish_version >= max(s.versions) for s in samples), draw
+        assert all(s.finish_version >= max(s.versions) for s in samples), draw
+        for s in samples:  # born under its admission version, or (no first-token steps) the version after it
+            held_empty = not first_tokens and s.uid in tokenless
+            assert s.birth_version == (1 if held_empty else started_on), (s.uid, s.versions)
     # the heir resumes the held groups first, their tokens and versions kept, and they count against no budget
     heir_out = Collect()
     heir, _ = simulated_worker(ScriptedControl(), heir_out, ReloadSameWeights(), window=GROUP, engine=engine,
@@ -315,7 +330,7 @@ def test_progress_words_in_one_poll_admit_before_the_sync_behind_them():
     """Two Progress words and a SyncWeights arrive together: the room both freed is filled on the weights of
     now, before the sync (the same as admitting after each word), and nothing is admitted twice."""
     control, outbox = ScriptedControl(), Collect()
-    worker, engine = simulated_worker(control, outbox, ReloadSameWeights(), window=2 * GROUP)
+    worker, engine = simulated_worker(control, outbox, ReloadSameWeights(), window=2 * GROUP, first_tokens_before_sync=True)
     worker.start()
     assert worker.tick() is None
     assert len(worker.ledger["started"]) == 2 * GROUP
