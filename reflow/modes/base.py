@@ -261,6 +261,7 @@ class ModeBase:
         trained_version: int,
         trainer_wait_s: float,
         engine_window: WorkerStats | None = None,
+        loss_tokens: float = 0.0,
     ) -> dict:
         """Metrics of one step over the trainer ranks (all ranks in colocated modes).
 
@@ -273,7 +274,14 @@ class ModeBase:
         over the ranks in the same reduction, under the decoupled rows' keys (``ENGINE_WINDOW_KEYS``); the
         rollout idle ratio is then the share of the ranks' step seconds their engines did not work (a rank
         waiting for a slower one's generation idles), as a decoupled mode's rollout window counts it. Without
-        one the caller sets it from its rollout window."""
+        one the caller sets it from its rollout window.
+
+        Figures that a throttled rollout cannot flatter: the trainer is idle while it waits for data and while it
+        stalls in a weight sync (``sync_stall_ratio``, counted apart too: ``trainer_idle_ratio`` is their sum,
+        ``trainer_wait_ratio`` the wait alone); ``loss_tokens_per_s`` counts ``loss_tokens``, this rank's tokens
+        that carry loss weight with a replayed row's at its weight (``TrainBatch.loss_weighted_tokens``), beside
+        ``tokens_per_s`` (every trained token, replayed and masked ones included); ``fresh_samples_per_s`` counts
+        first uses only."""
         samples = new_samples
         staleness = [0] * (self.max_staleness + 1)
         for s in trained:
@@ -290,6 +298,7 @@ class ModeBase:
             "samples": len(samples),
             "response_tokens": sum(len(s.output_ids) for s in samples),
             "trainer_tokens": sum(len(s.prompt_ids) + len(s.output_ids) for s in trained),
+            "loss_tokens": loss_tokens,
             "solved": sum(1 for s in samples if (s.reward_parts or {}).get("task", s.reward) >= 1.0),
             "truncated": sum(1 for s in samples if s.finish_reason == "length"),
             "tool_calls": sum(s.tool_calls for s in samples),
@@ -309,6 +318,9 @@ class ModeBase:
             "solved_frac": summed["solved"] / n,
             "loss": stats.loss,
             "tokens_per_s": summed["trainer_tokens"] / max(step_time, 1e-9),
+            "loss_tokens": summed["loss_tokens"],
+            "loss_tokens_per_s": summed["loss_tokens"] / max(step_time, 1e-9),
+            "fresh_samples_per_s": summed["samples"] / max(step_time, 1e-9),
             "step_time_s": step_time,
             "policy_version": self.version,
             "placement": self.parts.placement.name,
@@ -325,7 +337,9 @@ class ModeBase:
             "gen_time_s": timer.get("gen"),
             "train_time_s": timer.get("train"),
             "weight_sync_s": timer.get("sync"),
-            "trainer_idle_ratio": trainer_wait_s / max(step_time, 1e-9),
+            "trainer_idle_ratio": (trainer_wait_s + timer.get("sync")) / max(step_time, 1e-9),
+            "trainer_wait_ratio": trainer_wait_s / max(step_time, 1e-9),
+            "sync_stall_ratio": timer.get("sync") / max(step_time, 1e-9),
             "rollout_idle_ratio": (
                 max(0.0, 1.0 - summed["rollout_busy_s"] / (dist.get_world_size(self.trainer_group) * max(step_time, 1e-9)))
                 if engine_window else 0.0

@@ -300,7 +300,8 @@ class DecoupledMode(ModeBase):
         self._exchange()
         # 5. metrics over the trainer ranks
         row = self.step_metrics(
-            plan.fresh, trained, stats, timer, trained_version, trainer_wait_s=timer.get("wait")
+            plan.fresh, trained, stats, timer, trained_version, trainer_wait_s=timer.get("wait"),
+            loss_tokens=batch.loss_weighted_tokens(),
         )
         row.update(self._replay_cycle_metrics(plan, trained_version, model_tokens, masked))
         row.update(

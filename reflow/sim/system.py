@@ -183,7 +183,11 @@ def summarize(records: list[StepRecord], warmup: int, transitions: list[dict]) -
         "admission_to_finish_s": sum(latencies) / len(latencies) if latencies else 0.0,
         "sync_s_per_step": sum(r.sync_s for r in kept) / max(len(kept), 1),
         "tokens_per_s": sum(r.trainer_tokens for r in kept) / max(seconds, 1e-9),
-        "trainer_idle_ratio": sum(r.wait_s for r in kept) / max(seconds, 1e-9),
+        "fresh_samples_per_s": sum(r.fresh for r in kept) / max(seconds, 1e-9),
+        # as the live rows count it: waiting for data and stalling in a weight sync are both trainer idle time
+        "trainer_idle_ratio": sum(r.wait_s + r.sync_s for r in kept) / max(seconds, 1e-9),
+        "trainer_wait_ratio": sum(r.wait_s for r in kept) / max(seconds, 1e-9),
+        "sync_stall_ratio": sum(r.sync_s for r in kept) / max(seconds, 1e-9),
         "rollout_idle_ratio": idle / max(busy + idle, 1e-9),
         "steps": len(records),
         "seconds": records[-1].end if records else 0.0,

@@ -38,6 +38,11 @@ class TrainBatch:
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    def loss_weighted_tokens(self) -> float:
+        """Tokens that carry loss weight, each row's counted at its weight (a replayed row at tau): what the step
+        learns from, which neither replayed rows at a small tau nor masked tokens can inflate."""
+        return float((self.loss_mask.sum(-1) * self.weights).sum().item())
+
 
 def pack(
     prompts: list[list[int]],
