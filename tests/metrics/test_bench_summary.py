@@ -48,3 +48,41 @@ def test_aggregate_reports_mean_and_spread_over_seeds():
     assert out["tokens_per_s"] == 12.0 and out["tokens_per_s_spread"]["std"] == 2.0
     assert abs(out["filtered_fraction"] - 0.2) < 1e-12
     assert out["filtered_fraction_spread"]["values"] == [0.1, 0.3]
+
+
+def test_paired_difference_gives_the_one_sided_t_bound():
+    from reflow.bench.paired import paired_difference, t_quantile_95
+
+    pair = paired_difference([0.50, 0.52, 0.47, 0.49, 0.51], [0.48, 0.50, 0.49, 0.47, 0.49])
+    assert [round(d, 12) for d in pair["differences"]] == [0.02, 0.02, -0.02, 0.02, 0.02]
+    assert abs(pair["mean"] - 0.012) < 1e-12
+    std = (4 * 0.008**2 + 0.032**2) ** 0.5 / 2  # sample sd, n - 1 = 4
+    assert abs(pair["std"] - std) < 1e-12
+    assert abs(pair["lower_95"] - (0.012 - 2.132 * std / 5**0.5)) < 1e-12
+    assert paired_difference([0.3], [0.1])["lower_95"] is None  # one seed: no bound
+    assert t_quantile_95(22) == 1.725  # between table entries: the next smaller df (a wider bound)
+
+
+def test_targets_read_the_paired_bound_and_every_claim():
+    from reflow.bench.modes import paired_rewards, targets
+
+    def mode(tokens, loss, fresh, idle, evals, evicted=0.0, survival=None):
+        return {"tokens_per_s": tokens, "loss_tokens_per_s": loss, "fresh_samples_per_s": fresh, "rollout_idle_ratio": idle,
+                "eval_reward_at_equal_time": sum(evals) / len(evals), "evicted_fraction": evicted,
+                "eval_reward_at_equal_time_spread": {"values": evals}, "survival_by_length_decile": survival or [1.0] * 10}
+
+    modes = {
+        "sync": mode(50, 50, 1.0, 0.5, [0.30, 0.31, 0.29]),
+        "one_step_off": mode(80, 80, 1.5, 0.3, [0.35, 0.36, 0.34]),
+        "async": mode(100, 100, 2.0, 0.2, [0.40, 0.42, 0.41]),
+        "reflow": mode(130, 120, 1.9, 0.22, [0.41, 0.41, 0.42], evicted=0.01, survival=[1.0] * 9 + [0.85]),
+    }
+    paired = paired_rewards(modes)
+    assert set(paired) == {"reflow-sync", "reflow-one_step_off", "reflow-async"}
+    out = targets(modes, paired)
+    assert out["tokens_per_s_vs_best_baseline"]["met"] and out["tokens_per_s_vs_best_baseline"]["best"] == "async"
+    assert not out["loss_tokens_per_s_vs_best_baseline"]["met"]  # 1.2x < 1.25x
+    assert out["fresh_samples_per_s_vs_async"]["met"] and out["rollout_idle_above_async"]["met"]
+    assert out["eval_reward_vs_async_lower_95"]["met"] == (paired["reflow-async"]["lower_95"] >= -0.02)
+    assert out["eval_reward_vs_sync"]["met"] and out["eval_reward_vs_one_step_off"]["met"]
+    assert out["evicted_fraction"]["met"] and not out["survival_by_length_decile_min"]["met"]
