@@ -11,7 +11,8 @@ from tests.conftest import run_torchrun
 
 DECOUPLED_KEYS = {
     "trainer_idle_ratio", "rollout_idle_ratio", "replay_fraction", "alpha", "staleness_max", "staleness_counts",
-    "fresh_samples", "replayed_samples", "mode", "reward_mean", "tokens_per_s",
+    "fresh_samples", "replayed_samples", "mode", "reward_mean", "tokens_per_s", "trainer_wait_ratio",
+    "sync_stall_ratio", "loss_tokens", "loss_tokens_per_s", "fresh_samples_per_s", "masked_token_frac",
 }
 
 
@@ -32,6 +33,12 @@ def _run(tmp_path, nproc, mode, rollout_ranks, extra=()):
     ledgers = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(dump, "ledger", "rank*.json")))]
     for row in rows:
         assert DECOUPLED_KEYS <= set(row), DECOUPLED_KEYS - set(row)
+        # the trainer idles while it waits for data and while it stalls in a weight sync, and only then
+        assert row["trainer_idle_ratio"] == pytest.approx(row["trainer_wait_ratio"] + row["sync_stall_ratio"], abs=1e-9)
+        assert row["sync_stall_ratio"] > 0 or row["weight_sync_s"] == 0
+        # tokens carrying loss weight: at most the trained tokens (prompts carry none, a replayed row counts at tau)
+        assert 0 < row["loss_tokens"] < row["trainer_tokens"]
+        assert row["fresh_samples_per_s"] == pytest.approx(row["fresh_samples"] / row["step_time_s"], rel=1e-9)
     return rows, ledgers
 
 

@@ -84,6 +84,7 @@ groups = PromptGroups(stream, initial_shares(1)[0], task, tokenizer, 2, cfg.roll
 worker = RolloutWorker(
     cfg, engine, TurnDriver(engine, task, tokenizer), groups, TaskScorer(task, tokenizer, advantage_estimator(cfg)), SameWeights(),
     ScriptedControl(outbox), outbox, budget, 0, [0],
+    first_tokens_before_sync=True,  # as one_step_off runs it (async and reflow: tests/modes/test_roles.py)
 )
 worker.run()
 report = {
