@@ -5,8 +5,8 @@
     python -m reflow.sim compare [--scales 8,32,128] [--steps 24] [--out outputs/sim/compare.json]
 
 fit       a cost profile from a real decoupled run's metrics.jsonl (``reflow.sim.profiles.fit_profile``)
-validate  replays the modes benchmark's configuration (train_configs/bench_modes.toml, its world size and
-          split) in the simulator, each mode with a tiny-cpu profile fitted from its own run (the first
+validate  replays the modes benchmark's configuration (the config its JSON names, its world size, split and
+          engine limits: a KV-bound config's KV cache) in the simulator, each mode with a tiny-cpu profile fitted from its own run (the first
           seed's) and the groups of lengths that run wrote, and reports the relative error of each mode's
           tokens/s and the error of its idle ratios (a fraction of time: the absolute difference) against
           the measured ones, with mean in-flight, admission-to-finish, evicted fraction and sync seconds.
@@ -33,7 +33,7 @@ import sys
 import time
 
 from reflow.distributed.placement import parse_placement_name
-from reflow.sim.profiles import PROFILES, QWEN3_8B_H800, fit_profile
+from reflow.sim.profiles import PROFILES, QWEN3_8B_H800, fit_profile, with_engine_settings
 from reflow.sim.system import SimConfig, simulate, simulate_job
 from reflow.sim.workload import REASONING_DRIFT, chain_sum_workload
 
@@ -86,7 +86,12 @@ def cmd_validate(args) -> int:
     # them. The runs follow one another on a shared machine whose speed drifts by a fifth over the benchmark's
     # quarter hour, so one profile pooled over runs would charge each mode the others' machine
     try:
-        profiles = {mode: fit_profile([metrics[mode]], f"tiny-cpu {mode} (fitted)", warmup_steps=bench["warmup"]) for mode in MODES}
+        profiles = {
+            mode: with_engine_settings(
+                fit_profile([metrics[mode]], f"tiny-cpu {mode} (fitted)", warmup_steps=bench["warmup"]), cfg.rollout,
+            )
+            for mode in MODES
+        }
     except ValueError as error:  # a benchmark from before sync mode logged its engines' window, or a short one
         print(f"reflow.sim validate: {error}: run `python -m reflow.bench modes` again", file=sys.stderr)
         return 2

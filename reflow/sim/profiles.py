@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from reflow.distributed.placement import parse_placement_name
 
@@ -249,6 +249,15 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
         worker_sync_s=worker_sync,
         train_time_ratios=ratios,
     )
+
+
+def with_engine_settings(profile: CostProfile, rollout) -> CostProfile:
+    """``profile`` with the engine limits a config's ``[rollout]`` section sets: its KV cache (num_kv_blocks x
+    kv_block_size tokens, when num_kv_blocks is set: a KV-bound workload) and max_num_seqs. A fitted profile
+    knows the costs of a step, not the limits the run was given: those come from the config it ran."""
+    block = rollout.kv_block_size or profile.kv_block_size
+    budget = rollout.num_kv_blocks * block if rollout.num_kv_blocks else profile.kv_budget_tokens
+    return replace(profile, kv_block_size=block, kv_budget_tokens=budget, max_num_seqs=rollout.max_num_seqs)
 
 
 def _is_step(row: dict) -> bool:

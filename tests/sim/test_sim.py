@@ -242,3 +242,19 @@ def test_sync_dynamic_sampling_generates_extra_rounds_for_the_missing_groups():
     assert nothing["trained_per_step"] == [0, 0] and nothing["filtered_fraction"] == 1.0
     with pytest.raises(ValueError, match="one_step_off"):
         SimConfig(mode="one_step_off", gpus=4, prompts_per_step=8, group_size=4, steps=2, dynamic_sampling=True)
+
+
+def test_a_kv_bound_config_sets_the_simulated_engines_cache():
+    """``python -m reflow.sim validate`` on the rollout-bound bench: the engines hold what the config gives them
+    (10 blocks of 32 tokens), not the fitted profile's default cache."""
+    from reflow.config import ConfigManager
+    from reflow.sim.profiles import with_engine_settings
+
+    cfg = ConfigManager().parse_args(["--config", "train_configs/bench_rollout_bound.toml"])
+    bound = with_engine_settings(TINY_CPU, cfg.rollout)
+    assert (bound.kv_budget_tokens, bound.kv_block_size, bound.max_num_seqs) == (320, 32, 256)
+    assert bound.decode_token_s == TINY_CPU.decode_token_s  # the costs stay the profile's
+    free = with_engine_settings(TINY_CPU, ConfigManager().parse_args(["--config", "train_configs/bench_modes.toml"]).rollout)
+    assert (free.kv_budget_tokens, free.kv_block_size) == (TINY_CPU.kv_budget_tokens, TINY_CPU.kv_block_size)
+    engine = SimEngine(bound, 0, max_steps=1)
+    assert engine.budget_blocks == 10
