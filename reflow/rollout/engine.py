@@ -100,7 +100,8 @@ class RolloutEngine:
         self.block_size = self.signal_reader.block_size
         self.cfg = cfg
         self.version = 0
-        self.sleeping = False
+        self.asleep: set[str] = set()
+        """vLLM's memory tags ("weights", "kv_cache") not mapped on the device now (CUDA; always empty on CPU)."""
         self.weights_discarded = False
         """Asleep at level 2: the device holds no weights until ``load_weights`` brings new ones."""
         self.active: dict[str, Request] = {}  # vLLM request id -> request
@@ -222,15 +223,14 @@ class RolloutEngine:
         weights computed while its tokens are labelled with the new version. Nothing is in flight here (a
         sync holds every request first), so every block is free and the reset cannot fail but loudly."""
         t0 = time.time()
-        if self.sleeping and torch.cuda.is_available():
+        if "weights" in self.asleep:
             # map the weights' memory only (empty after level 2; after level 1 the old weights, overwritten now) and
             # load into it: a sleeping engine's weights are not mapped, never load into them. The KV cache stays
             # asleep until the engine next runs (``add`` wakes it), by when a colocated trainer has parked its
             # state (at a resume, or a sync mode step) or a leaving one has freed it (a placement change)
             self.llm.wake_up(tags=["weights"])
+            self.asleep.discard("weights")
             self.weights_discarded = False
-        else:
-            self.wake_up()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
@@ -240,19 +240,30 @@ class RolloutEngine:
         self.version = version
         return time.time() - t0
 
+    @property
+    def sleeping(self) -> bool:
+        """Some of the engine's memory is not mapped (its KV cache at least): it must wake before it runs."""
+        return bool(self.asleep)
+
     def sleep(self, discard_weights: bool = False) -> None:
         """Free accelerator memory while this rank trains (a no-op on CPU). Level 1 keeps the weights in pinned
         host memory, to wake with; ``discard_weights`` (level 2) drops them, for a caller that loads new ones
-        before the engine runs again (a weight sync): no round trip of weights the reload overwrites."""
+        before the engine runs again (a weight sync): no round trip of weights the reload overwrites.
+
+        Tracked per tag: after a weights-only wake (``load_weights`` into a sleeping engine) the weights are
+        mapped while the KV cache sleeps, and a sleep then puts the weights back to sleep (vLLM sleeps what is
+        mapped): a rank that left the trainer, received weights and rejoins must not train beside them."""
         assert not self.active, "cannot sleep with requests in flight"
-        if torch.cuda.is_available() and not self.sleeping:
+        if not torch.cuda.is_available():
+            return
+        if "weights" not in self.asleep:  # (the KV cache alone asleep: vLLM sleeps only what is mapped)
             self.llm.sleep(level=2 if discard_weights else 1)
             self.weights_discarded = discard_weights
-        self.sleeping = True
+        self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self) -> None:
         if self.weights_discarded:
             raise RuntimeError("the engine slept without its weights (level 2): load_weights must come before it runs")
-        if torch.cuda.is_available() and self.sleeping:
-            self.llm.wake_up()
-        self.sleeping = False
+        if self.asleep:
+            self.llm.wake_up()  # every tag still asleep
+        self.asleep = set()

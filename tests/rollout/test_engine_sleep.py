@@ -32,7 +32,7 @@ class RecordingLLM:
 def engine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     engine = object.__new__(RolloutEngine)  # the sleep and reload logic, without building vLLM
-    engine.llm, engine.active, engine.sleeping, engine.weights_discarded, engine.version = RecordingLLM(), {}, False, False, 0
+    engine.llm, engine.active, engine.asleep, engine.weights_discarded, engine.version = RecordingLLM(), {}, set(), False, 0
     return engine
 
 
@@ -60,3 +60,22 @@ def test_any_other_sleep_keeps_the_weights_and_a_reload_still_leaves_the_cache_a
 def test_an_awake_engine_reloads_without_waking_anything(engine):
     engine.load_weights(iter(()), version=2)
     assert engine.llm.calls == [("reload_weights",), ("reset_prefix_cache",)] and not engine.sleeping
+
+
+def test_a_sleep_after_a_weights_only_wake_puts_the_weights_back_to_sleep(engine):
+    """A rank leaves the trainer (its engine asleep), receives weights (only they are mapped), then rejoins the
+    trainer before it generated: its sleep must unmap the weights again, not find the engine "asleep" and do
+    nothing (about 15 GiB of an 8B engine's weights beside the trainer)."""
+    engine.sleep()
+    engine.load_weights(iter(()), version=1)
+    assert engine.asleep == {"kv_cache"}
+    engine.sleep()
+    assert engine.llm.calls[-1] == ("sleep", 1) and engine.asleep == {"weights", "kv_cache"}
+    engine.load_weights(iter(()), version=2)  # and back: only the weights again
+    engine.sleep(discard_weights=True)
+    assert engine.llm.calls[-3:] == [("reload_weights",), ("reset_prefix_cache",), ("sleep", 2)]
+    engine.sleep()  # asleep whole: nothing more
+    assert engine.llm.calls[-1] == ("sleep", 2)
+    engine.load_weights(iter(()), version=3)
+    engine.wake_up()
+    assert engine.llm.calls[-1] == ("wake_up", None) and engine.asleep == set()
