@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m reflow.train --config train_configs/tiny.toml [--section.key=value ...]
     python -m reflow.train --config train_configs/qwen3_8b.toml --dry-run     # the resolved config and memory plan
-    WORLD_SIZE=N python -m reflow.train --config ... --check  # what the launchers run before torchrun
+    WORLD_SIZE=N python -m reflow.train --config ... --check  # what the launchers run before torchrun (without
+                                                               # WORLD_SIZE: the world the placement plans)
 
 Bad input (config, placement, data files, model folder, checkpoint) is one line naming the file and key,
 and exit code 2, before any rank builds anything.
@@ -322,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         validate(cfg, manager.where)
         if manager.dry_run:
             return dry_run(cfg, manager)
-        # the placement against torchrun's world size, before any rank builds anything
-        placement = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), manager.where)
+        # the placement against torchrun's world size, before any rank builds anything; --check outside torchrun
+        # (a login node, the launchers) takes the world the placement plans, as --dry-run does
+        planned = _planned_world_size(cfg) if manager.check_only else 1
+        placement = validate_world(cfg, int(os.environ.get("WORLD_SIZE", "0")) or planned, manager.where)
         schedule = parse_schedule(cfg, placement, manager.where) if cfg.placement.schedule else []
         recipe = load_recipe(cfg.model.recipe)
         warnings = validate_recipe(cfg, recipe, placement, manager.where) + mode_warnings(cfg, manager.where)

@@ -172,3 +172,12 @@ def test_row_ids_default_to_file_and_line(tmp_path):
 
     path = data_file(tmp_path, json.dumps({"prompt": "1+1=", "answer": "2"}).encode() + b"\n")
     assert load_problems(path)[0].uid == "data.jsonl:1"
+
+
+def test_check_without_torchrun_takes_the_world_the_placement_plans(capsys, monkeypatch):
+    """On a login node (no WORLD_SIZE) ``--check`` of a multi-rank config checks the placement it plans, as
+    ``--dry-run`` does, instead of refusing it for a world of 1."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["--check", "--config", os.path.join(ROOT, "train_configs", "tiny_elastic.toml")]) == 0
+    assert "OK for 4 ranks" in capsys.readouterr().out
