@@ -134,8 +134,12 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
         trainer.train_step(batch)
         measured = torch.cuda.max_memory_allocated()
-        # the plan is an upper bound of what the trainer's own tensors take (every micro-batch at max_model_len)
-        assert measured <= 1.25 * planned, (measured, planned)
+        # the plan is an upper bound of what the trainer's own tensors take (every micro-batch at max_model_len);
+        # cuBLAS's workspace (CUBLAS_WORKSPACE_CONFIG, 32 MiB per handle on Hopper by default) comes from the
+        # caching allocator on the first GEMM and dwarfs a tiny model's tensors: the plan counts it in the CUDA
+        # context's reserve, not the trainer's term, so it is allowed on top
+        workspace = 32 * 2**20  # one handle: one stream here
+        assert measured <= 1.25 * planned + workspace, (measured, planned)
         return f"planned {planned / 2**20:.1f} MiB, measured peak {measured / 2**20:.1f} MiB ({measured / planned:.2f}x)"
 
     @stage("gather")
