@@ -33,6 +33,7 @@ of one seed back to back); each figure below is reported as the mean over seeds 
   survival_by_length_decile  the same decided samples in ten equal-count bins of response length, shortest
                         first: the share trained fresh in each (a rule that evicts long answers shows here)
   time_to_target_s      first time the 5-step moving average of the training reward reaches --target-reward
+  learning_curve        that moving average every 10 s of training and every 10 steps (per seed)
 
 ``paired_eval_reward``: reflow against each other mode, the per-seed paired differences of the eval reward at
 equal time, their mean and the lower one-sided 95% t bound (``reflow.bench.paired``). ``targets`` checks the
@@ -152,7 +153,26 @@ def summarize(rows: list[dict], warmup: int, equal_time_s: float, target: float)
         "train_reward_last_quarter": mean(in_window),
         "train_time_s": elapsed[-1] if elapsed else 0.0,
         "time_to_target_s": hit,
+        "learning_curve": learning_curve(rows),
     }
+
+
+def learning_curve(rows: list[dict], every_s: float = 10.0, every_steps: int = 10) -> dict:
+    """The training reward (mean of the last 5 steps) against wall-clock training time, every ``every_s``
+    seconds, and against steps, every ``every_steps`` steps: how a mode learns per second and per step (a mode
+    that steps more often on older or replayed data learns less per step; the paper's claim is per second)."""
+    by_time, by_step, t, rewards = [], [], 0.0, []
+    mark = every_s
+    for i, row in enumerate(rows):
+        t += row["step_time_s"]
+        rewards.append(row["reward_mean"])
+        window = rewards[-5:]
+        while t >= mark:
+            by_time.append([round(mark, 1), sum(window) / len(window)])
+            mark += every_s
+        if (i + 1) % every_steps == 0:
+            by_step.append([i + 1, sum(window) / len(window)])
+    return {"by_time": by_time, "by_step": by_step}
 
 
 def staleness_distribution(rows: list[dict]) -> dict[str, float]:

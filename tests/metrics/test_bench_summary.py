@@ -86,3 +86,14 @@ def test_targets_read_the_paired_bound_and_every_claim():
     assert out["eval_reward_vs_async_lower_95"]["met"] == (paired["reflow-async"]["lower_95"] >= -0.02)
     assert out["eval_reward_vs_sync"]["met"] and out["eval_reward_vs_one_step_off"]["met"]
     assert out["evicted_fraction"]["met"] and not out["survival_by_length_decile_min"]["met"]
+
+
+def test_learning_curve_samples_the_moving_reward_by_time_and_by_step():
+    from reflow.bench.modes import learning_curve
+
+    rows = [{"step_time_s": 4.0, "reward_mean": r} for r in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)]
+    curve = learning_curve(rows, every_s=10.0, every_steps=5)
+    # 10 s is passed at step 3 (12 s): the mean of steps 1-3; 20 s at step 5; 30 s at step 8; 40 s at step 10
+    assert [t for t, _ in curve["by_time"]] == [10.0, 20.0, 30.0, 40.0]
+    assert abs(curve["by_time"][0][1] - 0.1) < 1e-12 and abs(curve["by_time"][3][1] - 0.7) < 1e-12
+    assert [(n, round(r, 12)) for n, r in curve["by_step"]] == [(5, 0.2), (10, 0.7)]
