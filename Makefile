@@ -26,6 +26,8 @@ sandbox-tools:
 	@bash torchrun_scripts/install_sandbox.sh
 
 train: $(STAMP) sandbox-tools
+	@# the demo starts afresh each time (a run refuses a folder that holds another run: reflow/run_record.py)
+	@if [ "$(CONFIG)" = "train_configs/tiny.toml" ] && [ -z "$(ARGS)" ]; then rm -rf outputs/tiny; fi
 	NPROC=$(NPROC) CONFIG=$(CONFIG) PYTHON=$(PY) bash torchrun_scripts/run_train.sh $(ARGS)
 
 test: $(STAMP) sandbox-tools

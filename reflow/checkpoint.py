@@ -67,6 +67,16 @@ class CheckpointManager:
                 f"remove it to resume from an earlier one, or set checkpoint.load_step (available: {steps})"
             ) from None
 
+    def resume_step(self) -> int | None:
+        """Before any rank starts: the step a run would resume from (checkpoint.load_step, else the latest
+        complete checkpoint), or None when it starts afresh."""
+        if not self.enabled:
+            return None
+        if self.load_step >= 0:
+            return self.load_step
+        steps = self.available_steps()
+        return steps[-1] if steps else None
+
     def should_save(self, step: int, last: bool) -> bool:
         return self.enabled and (step % self.interval == 0 or last)
 

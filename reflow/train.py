@@ -31,6 +31,7 @@ from reflow.config.validate import mode_warnings, parse_schedule, validate, vali
 from reflow.distributed.placement import feasible_placements
 from reflow.memory_plan import memory_plan
 from reflow.model.recipe import load_recipe, resolve_path
+from reflow.run_record import check_dump_folder, write_record
 
 logger = logging.getLogger("reflow")
 
@@ -334,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         if not manager.check_only:  # (--check also runs where the job is submitted, which may have no GPU)
             check_gpus(cfg, recipe, manager.where)
         problems = check_inputs(cfg, recipe, manager.where)
+        from reflow.checkpoint import CheckpointManager
+
+        resume_step = CheckpointManager(cfg).resume_step()
+        record = check_dump_folder(cfg, resumes=resume_step is not None)
     except (ConfigError, ValueError) as e:
         if int(os.environ.get("RANK", "0")) == 0:  # one line per run, not one per rank
             print(f"reflow: config error: {e}", file=sys.stderr)
@@ -355,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     from reflow.modes.registry import MODES
 
     parts = build_components(cfg, recipe, placement, schedule, warnings, problems)
+    if parts.rank == 0:  # what produced this run, kept with it (a resume appends itself)
+        write_record(cfg, record, resume_step)
     mode = MODES[cfg.training.mode](parts)
     mode.stop_signals.install()  # SIGTERM / SIGUSR1: stop after the current step (reflow.stopping)
     t0 = time.time()

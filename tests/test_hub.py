@@ -67,7 +67,7 @@ def test_a_model_and_a_dataset_by_hub_id_load_offline_from_the_cache(offline_cac
     assert from_hub == local > 0
     # the whole start-up check: config, placement, the checkpoint and both data files by name
     proc = _check(env, "--model.hf_checkpoint=reflow-test/tiny-qwen3", "--task.train_file=reflow-test/chain-sum:train",
-                  "--task.eval_file=reflow-test/chain-sum:test")
+                  "--task.eval_file=reflow-test/chain-sum:test", f"--job.dump_folder={os.path.dirname(snapshot)}/run")
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
 
 

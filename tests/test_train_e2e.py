@@ -26,9 +26,9 @@ def test_sync_mode_trains_checkpoints_resumes_and_exports(tmp_path):
         "--training.prompts_per_step=4", "--training.group_size=4",
         "--checkpoint.enable=true", "--checkpoint.interval=2",
         "--metrics.eval_interval=2", "--metrics.eval_num_prompts=8",
+        "--kl.coef=0.05",  # the frozen reference policy (KL penalty), through the resume too
     ]
-    # the first run also exercises the frozen reference policy (KL penalty)
-    run_torchrun(2, common + ["--training.steps=2", "--kl.coef=0.05"])
+    run_torchrun(2, common + ["--training.steps=2"])
     # the starting policy's evaluation first, in a row of its own; then the steps, step 2's with an evaluation
     evaluation, *rows = _rows(dump)
     assert evaluation["step"] == 0 and evaluation["eval_policy_version"] == 0 and 0 <= evaluation["eval_reward"] <= 1
@@ -46,9 +46,12 @@ def test_sync_mode_trains_checkpoints_resumes_and_exports(tmp_path):
     assert os.path.exists(os.path.join(dump, "checkpoint", "step-2", ".metadata"))
     assert glob.glob(os.path.join(dump, "tb", "events.out.tfevents*"))
 
-    # resume: picks up step 2's checkpoint and continues to step 3
+    record = json.load(open(os.path.join(dump, "run.json")))  # what produced the run, kept with it
+    assert record["config"]["kl"]["coef"] == 0.05 and record["resumes"] == [] and "torch" in record["versions"]
+    # resume: picks up step 2's checkpoint and continues to step 3 (the run's config, with more steps)
     proc = run_torchrun(2, common + ["--training.steps=3"])
     assert "resumed from step 2" in proc.stderr
+    assert [r["from_step"] for r in json.load(open(os.path.join(dump, "run.json")))["resumes"]] == [2]
     rows = _rows(dump)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # a resumed run does not score its starting policy again
     assert rows[-1]["policy_version"] == 3

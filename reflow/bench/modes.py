@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -62,8 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_mode(mode: str, args, overrides: list[str], seed: int = 0) -> dict:
     dump = os.path.join(args.work_dir, mode) if seed == 0 else os.path.join(args.work_dir, f"seed{seed}", mode)
-    if os.path.exists(os.path.join(dump, "metrics.jsonl")):
-        os.remove(os.path.join(dump, "metrics.jsonl"))
+    shutil.rmtree(dump, ignore_errors=True)  # the bench's own folder: a run there starts afresh (reflow.run_record)
     rollout_ranks = 0 if mode == "sync" else args.rollout_ranks
     # sync is on-policy by definition: it syncs after every step whatever the workload's interval
     per_mode = ["--weight_sync.interval=1"] if mode == "sync" else []

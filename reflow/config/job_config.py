@@ -85,6 +85,9 @@ class JobSection:
     """Longest a collective waits for a rank before it fails, so a lost rank ends the run instead of hanging
     it (torchrun --max-restarts then restarts every rank from the latest checkpoint). Keep it above the
     longest step, checkpoint or HF export."""
+    allow_config_change: bool = False
+    """Resume the run in dump_folder although its config changed in a key that changes what is trained (the
+    change is recorded in run.json). Off: such a resume is refused, naming the keys (reflow.run_record)."""
 
 
 @dataclass

@@ -46,9 +46,9 @@ def data_file(tmp_path, content: bytes, name: str = "data.jsonl") -> str:
     return str(path)
 
 
-def test_good_input_passes_and_names_the_placement(capsys, monkeypatch):
+def test_good_input_passes_and_names_the_placement(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["--check", "--config", TINY]) == 0
+    assert main(["--check", "--config", TINY, f"--job.dump_folder={tmp_path}/run"]) == 0
     assert "OK for 2 ranks" in capsys.readouterr().out
 
 
@@ -77,14 +77,14 @@ def test_wrong_types_including_list_elements(tmp_path, capsys, monkeypatch):
     one_error(capsys, monkeypatch, ["--config", path], path, "placement.schedule'[0]", "expected a string")
 
 
-def test_overrides_with_hyphens_mean_the_same_key(capsys, monkeypatch):
+def test_overrides_with_hyphens_mean_the_same_key(tmp_path, capsys, monkeypatch):
     from reflow.config import ConfigManager
 
     manager = ConfigManager()
     cfg = manager.parse_args(["--config", TINY, "--training.max-norm=0.5", "--rollout.max-new-tokens", "12"])
     assert cfg.training.max_norm == 0.5 and cfg.rollout.max_new_tokens == 12
     assert manager.where("training.max_norm") == "command line"
-    code, _ = check(capsys, monkeypatch, ["--config", TINY, "--training.max-norm=0.5"])
+    code, _ = check(capsys, monkeypatch, ["--config", TINY, "--training.max-norm=0.5", f"--job.dump_folder={tmp_path}/run"])
     assert code == 0
 
 
@@ -174,10 +174,11 @@ def test_row_ids_default_to_file_and_line(tmp_path):
     assert load_problems(path)[0].uid == "data.jsonl:1"
 
 
-def test_check_without_torchrun_takes_the_world_the_placement_plans(capsys, monkeypatch):
+def test_check_without_torchrun_takes_the_world_the_placement_plans(tmp_path, capsys, monkeypatch):
     """On a login node (no WORLD_SIZE) ``--check`` of a multi-rank config checks the placement it plans, as
     ``--dry-run`` does, instead of refusing it for a world of 1."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
-    assert main(["--check", "--config", os.path.join(ROOT, "train_configs", "tiny_elastic.toml")]) == 0
+    elastic = os.path.join(ROOT, "train_configs", "tiny_elastic.toml")
+    assert main(["--check", "--config", elastic, f"--job.dump_folder={tmp_path}/run"]) == 0
     assert "OK for 4 ranks" in capsys.readouterr().out
