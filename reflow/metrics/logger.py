@@ -3,6 +3,11 @@
 Progress is a redrawn bar on a terminal; off a terminal (a Slurm log, a pipe) it is one plain line every
 ``plain_every`` logged steps and at the last, since a carriage-return bar would become one giant line there.
 Other ranks hold a logger that does nothing, so callers never branch on rank.
+
+The time left is estimated from the steps' own pace (the first logged step's time includes start-up: the
+engine build, the first compile, a resume's load), so the first line shows none. A decoupled mode's line
+also says what the replay cycle did: fresh and replayed samples, the stalest sample trained, trainer and
+rollout idle, and the samples evicted unused (and filtered, with dynamic sampling).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ class MetricsLogger:
         self.plain_every = max(1, plain_every)
         self._logged = 0
         self.start = time.time()
+        self._pace: tuple[int, float] | None = None
+        """(step, time) of the first logged step: the time left is estimated from the steps after it."""
         self._tb = None
         self._file = None
         if not enabled:
@@ -59,11 +66,18 @@ class MetricsLogger:
             return
         self._logged += 1
         done = min(step / max(self.total_steps, 1), 1.0)
-        elapsed = time.time() - self.start
-        eta = elapsed / max(done, 1e-9) * (1 - done)
+        now = time.time()
+        elapsed = now - self.start
+        if self._pace is None or step <= self._pace[0]:
+            self._pace = (step, now)
+            left = "?"
+        else:
+            first_step, first_time = self._pace
+            left = f"{(now - first_time) / (step - first_step) * max(self.total_steps - step, 0):.0f}s"
         summary = (
             f"step {step}/{self.total_steps} reward {row.get('reward_mean', float('nan')):.3f} "
-            f"loss {row.get('loss', float('nan')):+.4f} tok/s {row.get('tokens_per_s', 0):.0f} {elapsed:.0f}s<{eta:.0f}s"
+            f"loss {row.get('loss', float('nan')):+.4f} tok/s {row.get('tokens_per_s', 0):.0f} {elapsed:.0f}s<{left}"
+            + _replay_cycle(row)
         )
         if self.tty:
             width = 24
@@ -83,6 +97,20 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _replay_cycle(row: dict[str, Any]) -> str:
+    """A decoupled step's replay cycle in a few words ("" for a sync step)."""
+    if "replayed_samples" not in row:
+        return ""
+    evicted = sum(int(row.get(f"evicted_{cause}", 0)) for cause in ("arrived_stale", "aged", "at_sync"))
+    text = (
+        f" | fresh {row.get('fresh_samples', 0)} replay {row['replayed_samples']} stale<={row.get('staleness_max', 0)}"
+        f" idle T {row.get('trainer_idle_ratio', 0.0):.2f} R {row.get('rollout_idle_ratio', 0.0):.2f} evicted {evicted}"
+    )
+    if row.get("evicted_no_signal"):
+        text += f" filtered {int(row['evicted_no_signal'])}"
+    return text
 
 
 def _jsonable(v: Any):
