@@ -234,14 +234,29 @@ MODE_KEYS = {
 """Keys that only some modes read; one_step_off fixes delta = 1 and a sync every step by definition."""
 
 
+RATIO_POLICIES = ("gspo", "dual_clip", "cispo")
+"""Policy losses that differ from plain ppo_clip only where the ratio of the new policy to the old is not 1."""
+
+
 def mode_warnings(cfg: JobConfig, where=lambda key: "default") -> list[str]:
-    """Keys set in a file or on the command line that the chosen mode does not read (said, not rewritten)."""
+    """Settings that have no effect in this run (said, not rewritten): keys set in a file or on the command line
+    that the chosen mode does not read, and a ratio-based policy loss with one update per batch."""
     mode = cfg.training.mode
-    return [
+    warnings = [
         f"{where(key)}: '{key}' is not used in '{mode}' mode (it applies to {', '.join(modes)})"
         for key, modes in MODE_KEYS.items()
         if mode not in modes and where(key) != "default"
     ]
+    training = cfg.training
+    if cfg.loss.policy in RATIO_POLICIES and training.ppo_epochs == 1 and training.num_minibatches == 1:
+        # one update per batch: the old log-probs are the new ones, detached, so every ratio is exactly 1
+        warnings.append(
+            f"{where('loss.policy')}: loss.policy = '{cfg.loss.policy}' with one update per batch "
+            "(training.ppo_epochs = training.num_minibatches = 1): the ratio to the old policy is exactly 1, so its "
+            "clip never binds and the gradient is plain ppo_clip's (GSPO: under seq_mean_token_mean, bitwise); set "
+            "training.num_minibatches > 1 for the loss to matter"
+        )
+    return warnings
 
 
 def validate_recipe(cfg: JobConfig, recipe, placement, where=lambda key: "default") -> list[str]:

@@ -277,3 +277,24 @@ def test_placement_schedule_needs_reflow_mode():
     m = ConfigManager()
     cfg = m.parse_args(["--training.mode=reflow", "--checkpoint.enable=true", *base])
     assert parse_schedule(cfg, validate_world(cfg, 4, m.where)) == [(2, 1)]
+
+
+def test_a_ratio_based_policy_with_one_update_per_batch_is_said_to_be_plain_ppo_clip():
+    from reflow.config.validate import mode_warnings
+
+    m = ConfigManager()
+    (said,) = mode_warnings(m.parse_args(["--loss.policy=gspo"]), m.where)
+    assert "loss.policy = 'gspo'" in said and "exactly 1" in said and "num_minibatches > 1" in said
+    assert mode_warnings(m.parse_args(["--loss.policy=gspo", "--training.num_minibatches=4"]), m.where) == []
+    assert mode_warnings(m.parse_args(["--loss.policy=ppo_clip"]), m.where) == []
+    assert mode_warnings(m.parse_args(["--loss.policy=cispo", "--training.ppo_epochs=2"]), m.where) == []
+
+
+def test_docs_algorithms_names_every_key_a_published_recipe_sets():
+    import tomllib
+
+    doc = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
+    for recipe in ("grpo", "dr_grpo", "dapo", "gspo"):
+        with open(os.path.join(ROOT, "train_configs", f"{recipe}_qwen3_8b_math.toml"), "rb") as f:
+            keys = [f"{section}.{key}" for section, table in tomllib.load(f).items() for key in table]
+        assert [key for key in keys if f"`{key}`" not in doc] == [], recipe
