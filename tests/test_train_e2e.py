@@ -3,6 +3,8 @@
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -55,6 +57,30 @@ def test_sync_mode_trains_checkpoints_resumes_and_exports(tmp_path):
     rows = _rows(dump)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # a resumed run does not score its starting policy again
     assert rows[-1]["policy_version"] == 3
+
+    # an intermediate checkpoint (step 2) exported to HF format: whole, and in shards with an index; both load
+    # in transformers and hold the same tensors, changed by training
+    for out, shard in ((os.path.join(dump, "hf_step2"), "5"), (os.path.join(dump, "hf_step2_sharded"), "0.0002")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "reflow.export", "--config", "train_configs/tiny.toml", "--step", "2", "--out", out,
+             "--shard-gib", shard, *common[4:]],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 0 and "step 2 ->" in proc.stdout, proc.stderr[-2000:]
+    whole = load_file(os.path.join(dump, "hf_step2", "model.safetensors"))
+    index = json.load(open(os.path.join(dump, "hf_step2_sharded", "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"]) == set(whole)
+    for name, file in index["weight_map"].items():
+        assert torch.equal(load_file(os.path.join(dump, "hf_step2_sharded", file))[name], whole[name]), name
+    base = load_file(os.path.join(TINY_HF, "model.safetensors"))
+    assert set(whole) == set(base) and any(not torch.equal(whole[k], base[k]) for k in base)
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoModelForCausalLM.from_pretrained(os.path.join(dump, "hf_step2_sharded"), dtype=torch.float32)
+    missing = subprocess.run(
+        [sys.executable, "-m", "reflow.export", "--config", "train_configs/tiny.toml", "--step", "7", *common[4:]],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "available: [2, 3]" in missing.stderr
 
     # the exported policy is a loadable HF folder with trained (changed) weights
     out = os.path.join(dump, "hf_final")

@@ -54,7 +54,12 @@ def evaluate(config: str, hf_dir: str, num_prompts: int, samples: int, seed: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    import os
+
+    # stdout carries the result alone: vLLM's log lines go to stderr (set before vLLM is imported)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    ap = argparse.ArgumentParser(prog="python -m reflow.bench.evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="train_configs/tiny.toml")
     ap.add_argument("--hf", default="", help="the policy to score (default: the config's model)")
     ap.add_argument("--num-prompts", type=int, default=256, help="the first N eval prompts (0: all)")
@@ -65,7 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [arg for arg in overrides if not arg.startswith("--") or "=" not in arg]
     if unknown:
         ap.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides are --section.key=value)")
-    result = evaluate(a.config, a.hf, a.num_prompts, a.samples, a.seed, overrides)
+    try:
+        if a.hf:
+            from reflow.trainer.hf_io import check_hf_dir
+
+            check_hf_dir(a.hf, "--hf")
+        result = evaluate(a.config, a.hf, a.num_prompts, a.samples, a.seed, overrides)
+    except ValueError as error:  # a bad --hf folder, config or eval file: one line
+        print(f"reflow.bench.evaluate: {error}", file=sys.stderr)
+        return 2
     print(json.dumps(result))
     if a.out:
         with open(a.out, "w") as f:

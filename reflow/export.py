@@ -1,0 +1,129 @@
+"""Export a run's checkpoint (any step, not only the end) as a Hugging Face folder that vLLM and transformers load.
+
+    python -m reflow.export --config train_configs/tiny.toml [--step 40] [--out DIR] [--shard-gib 5] [--section.key=value ...]
+
+The run is named by its config (its ``job.dump_folder`` and ``checkpoint.folder``, as training resolves them;
+the run's own overrides, such as ``--job.dump_folder``, go after it). ``--step`` picks a saved step (default:
+the latest complete one); ``--out`` defaults to ``<dump_folder>/hf_step<N>``. One process, no ranks: each
+parameter is read from the distributed checkpoint on its own, converted to its Hugging Face name and written in
+safetensors shards of at most ``--shard-gib`` (several shards come with the standard
+``model.safetensors.index.json``), so the host never holds more than one shard, whatever the model's size. The
+tokenizer and config files are copied from the run's source checkpoint. Every error is one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+
+class ExportError(ValueError):
+    pass
+
+
+def export_checkpoint(argv: list[str]) -> dict:
+    from reflow.checkpoint import CheckpointManager
+    from reflow.config import ConfigManager
+    from reflow.config.validate import validate
+    from reflow.model.qwen3 import build_model_config, build_on_meta
+    from reflow.model.recipe import load_recipe
+    from reflow.train import resolve_hf_dir
+    from reflow.trainer.hf_io import HF_SIDE_FILES, build_adapter
+
+    ap = argparse.ArgumentParser(prog="python -m reflow.export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the run's config (its dump folder and checkpoint folder)")
+    ap.add_argument("--step", type=int, default=-1, help="the saved step to export (default: the latest)")
+    ap.add_argument("--out", default="", help="output folder (default: <dump_folder>/hf_step<N>)")
+    ap.add_argument("--shard-gib", type=float, default=5.0, help="largest safetensors shard, GiB")
+    args, overrides = ap.parse_known_args(argv)
+    manager = ConfigManager()
+    cfg = manager.parse_args(["--config", args.config, *overrides])
+    validate(cfg, manager.where)
+    checkpoints = CheckpointManager(cfg)
+    steps = checkpoints.available_steps()
+    if not steps:
+        raise ExportError(f"checkpoint.folder: no complete checkpoint in {checkpoints.folder} (the run saves them with "
+                          "checkpoint.enable = true, every checkpoint.interval steps)")
+    step = steps[-1] if args.step < 0 else args.step
+    if step not in steps:
+        raise ExportError(f"--step {step}: no complete checkpoint of that step in {checkpoints.folder} (available: {steps})")
+    recipe = load_recipe(cfg.model.recipe)
+    source = resolve_hf_dir(cfg, recipe, manager.where)
+    model_cfg = build_model_config(recipe, cfg.model.attention)
+    adapter = build_adapter(model_cfg, source)
+    out = args.out or os.path.join(cfg.job.dump_folder, f"hf_step{step}")
+    names = _write_shards(checkpoints._path(step), build_on_meta(model_cfg), adapter, out, int(args.shard_gib * 2**30))
+    for name in HF_SIDE_FILES:
+        if os.path.exists(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), os.path.join(out, name))
+    with open(os.path.join(out, "reflow_export.json"), "w") as f:
+        json.dump({"source": os.path.abspath(source), "checkpoint": checkpoints._path(step), "step": step,
+                   "num_tensors": len(names)}, f)
+    return {"out": out, "step": step, "num_tensors": len(names)}
+
+
+def _write_shards(checkpoint: str, meta_model, adapter, out: str, shard_bytes: int) -> list[str]:
+    """Every parameter read alone from the checkpoint (DCP reads just its bytes), renamed for HF, in float32,
+    gathered into shards of at most ``shard_bytes``; returns the HF names written."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    for stale in [n for n in os.listdir(out) if n.startswith("model") and n.endswith((".safetensors", ".json"))]:
+        os.remove(os.path.join(out, stale))  # a previous export's shards would mix with these
+    shard: dict = {}
+    shard_size = total = 0
+    files: list[list[str]] = []  # the HF names of each shard written, in order
+
+    def flush() -> None:
+        nonlocal shard, shard_size
+        if shard:
+            save_file(shard, os.path.join(out, f"shard-{len(files):05d}.tmp"), metadata={"format": "pt"})
+            files.append(sorted(shard))
+        shard, shard_size = {}, 0
+
+    for key, meta in meta_model.state_dict().items():
+        if not meta.is_floating_point() or "rope" in key or "freqs" in key:
+            continue  # derived buffers (the RoPE cache) are not in a checkpoint
+        tensor = torch.empty(meta.shape, dtype=torch.float32)
+        dcp.load({"trainer": {"model": {key: tensor}}}, checkpoint_id=checkpoint, no_dist=True)
+        for hf_name, value in adapter.to_hf({key: tensor}).items():
+            nbytes = value.numel() * value.element_size()
+            if shard and shard_size + nbytes > shard_bytes:
+                flush()
+            shard[hf_name] = value.contiguous()
+            shard_size += nbytes
+            total += nbytes
+    flush()
+    if len(files) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    weight_map = {}
+    for k, (keys, name) in enumerate(zip(files, names)):
+        os.replace(os.path.join(out, f"shard-{k:05d}.tmp"), os.path.join(out, name))
+        weight_map.update(dict.fromkeys(keys, name))
+    if len(files) > 1:
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    return sorted(weight_map)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        result = export_checkpoint(argv)
+    except ValueError as error:  # ExportError, ConfigError and the config loader's errors: one line each
+        print(f"reflow.export: {error}", file=sys.stderr)
+        return 2
+    print(f"reflow.export: step {result['step']} -> {result['out']} ({result['num_tensors']} tensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
