@@ -323,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1000, help="step cap; the time budget normally ends the run")
     ap.add_argument("--time-budget", type=float, default=60.0, help="training seconds per mode (equal wall-clock)")
     ap.add_argument("--seeds", type=int, default=1, help="runs per mode, with job.seed = 0, 1, ...: mean and spread")
+    ap.add_argument("--seed-list", default="", help="run these seeds instead (e.g. 2,3: to rerun seeds a disturbance hit)")
+    ap.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                    help="no runs: combine earlier results of one workload into --out, a later file's seeds "
+                         "replacing an earlier's")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--rollout-ranks", type=int, default=1)
@@ -339,13 +343,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds < 1:
         ap.error("--seeds must be >= 1")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    if args.merge:
+        try:
+            result = merge_results(args.merge)
+        except ValueError as error:
+            ap.error(f"--merge: {error}")
+        return finish(result, args.out, {})
+    seeds = [int(seed) for seed in args.seed_list.split(",") if seed] or list(range(args.seeds))
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     print("[bench] scoring the starting checkpoint ...", file=sys.stderr, flush=True)
     start_eval = evaluate_policy(os.path.join(ROOT, "assets", "tiny-qwen3"), env, args.config, args.eval_prompts, args.eval_samples)
     per_seed: dict[str, list[dict]] = {mode: [] for mode in modes}
     rows_seed0: dict[str, list[dict]] = {}
-    for seed in range(args.seeds):
+    for seed in seeds:
         runs = {}
         for mode in modes:  # the modes of one seed run back to back, so machine drift hits them alike
             print(f"[bench] seed {seed}: {mode} ...", file=sys.stderr, flush=True)
@@ -359,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             s["equal_time_s"] = equal_time
             s.update(ledger_summary(run["dump"]) if mode != "sync" else {"evicted_fraction": 0.0})
             per_seed[mode].append(s)
-            if seed == 0:
+            if seed == seeds[0]:
                 rows_seed0[mode] = run["rows"]
     result = {
         "benchmark": "modes",
@@ -371,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_affinity": "each rank pinned to its own core, 1 compute thread (job.cpu_affinity=true)",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "steps": args.steps,
-        "seeds": args.seeds,
+        "seeds": len(seeds),
+        "seed_list": seeds,
         "warmup_steps": args.warmup,
         "target_reward": args.target_reward,
         "time_budget_s": args.time_budget,
@@ -383,7 +395,41 @@ def main(argv: list[str] | None = None) -> int:
         "modes": {},
     }
     for mode, runs in per_seed.items():
-        result["modes"][mode] = {**aggregate(runs), "placement": runs[0]["placement"], "per_seed": runs}
+        result["modes"][mode] = {"placement": runs[0]["placement"], "per_seed": runs}
+    return finish(result, args.out, rows_seed0)
+
+
+def merge_results(paths: list[str]) -> dict:
+    """Several results of one workload (config, overrides, world) as one: each mode's per-seed runs by seed, a
+    later file's replacing an earlier's (a rerun of seeds that a disturbance hit)."""
+    results = [json.load(open(path)) for path in paths]
+    first = results[0]
+    for path, other in zip(paths[1:], results[1:]):
+        for key in ("config", "overrides", "world_size", "rollout_ranks", "time_budget_s", "eval_prompts"):
+            if other.get(key) != first.get(key):
+                raise ValueError(f"{path} has {key} = {other.get(key)!r}, {paths[0]} has {first.get(key)!r}")
+    merged = {key: value for key, value in first.items() if key not in ("modes", "targets", "paired_eval_reward")}
+    merged["merged_from"] = [{"path": path, "command": result["command"], "seeds": result.get("seed_list")}
+                             for path, result in zip(paths, results)]
+    merged["modes"] = {}
+    for mode in first["modes"]:
+        by_seed = {}
+        for result in results:
+            for run in result["modes"].get(mode, {}).get("per_seed", []):
+                by_seed[run["seed"]] = run
+        runs = [by_seed[seed] for seed in sorted(by_seed)]
+        merged["modes"][mode] = {"placement": runs[0]["placement"], "per_seed": runs}
+    merged["seed_list"] = sorted({run["seed"] for mode in merged["modes"].values() for run in mode["per_seed"]})
+    merged["seeds"] = len(merged["seed_list"])
+    merged["equal_time_s"] = min(run["equal_time_s"] for mode in merged["modes"].values() for run in mode["per_seed"])
+    return merged
+
+
+def finish(result: dict, out: str, rows_seed0: dict[str, list[dict]]) -> int:
+    """Aggregate each mode's per-seed runs, pair reflow with the others, check the targets; write the JSON (and
+    with the first seed's rows, the PNG) and print the table."""
+    for mode in result["modes"].values():
+        mode.update(aggregate(mode["per_seed"]))
     result["paired_eval_reward"] = paired_rewards(result["modes"])
     result["targets"] = targets(result["modes"], result["paired_eval_reward"])
     others = [m for m in result["modes"] if m != "reflow"]
@@ -396,12 +442,15 @@ def main(argv: list[str] | None = None) -> int:
         result["reflow_eval_reward_minus_best_other"] = (
             result["modes"]["reflow"]["eval_reward_at_equal_time"] - result["modes"][best_reward]["eval_reward_at_equal_time"]
         )
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    png = os.path.splitext(args.out)[0] + ".png"
-    write_png(png, result, rows_seed0)
     print(format_table(result))
-    print(f"[bench] wrote {args.out} and {png}", file=sys.stderr)
+    if rows_seed0:
+        png = os.path.splitext(out)[0] + ".png"
+        write_png(png, result, rows_seed0)
+        print(f"[bench] wrote {out} and {png}", file=sys.stderr)
+    else:
+        print(f"[bench] wrote {out}", file=sys.stderr)
     return 0
 
 

@@ -97,3 +97,39 @@ def test_learning_curve_samples_the_moving_reward_by_time_and_by_step():
     assert [t for t, _ in curve["by_time"]] == [10.0, 20.0, 30.0, 40.0]
     assert abs(curve["by_time"][0][1] - 0.1) < 1e-12 and abs(curve["by_time"][3][1] - 0.7) < 1e-12
     assert [(n, round(r, 12)) for n, r in curve["by_step"]] == [(5, 0.2), (10, 0.7)]
+
+
+def test_merging_results_replaces_the_rerun_seeds_and_pairs_by_seed(tmp_path):
+    from reflow.bench.modes import finish, merge_results
+
+    from reflow.bench.modes import SUMMARY_KEYS
+
+    def run(seed, reward):
+        return {**dict.fromkeys(SUMMARY_KEYS, 1.0), "seed": seed, "placement": "T1x1+R1", "equal_time_s": 60.0,
+                "eval_reward_at_equal_time": reward, "staleness_distribution": {"0": 1.0}}
+
+    def result(path, seeds, rewards):
+        modes = {m: {"placement": "T1x1+R1", "per_seed": [run(s, rewards[m] + s / 100) for s in seeds]}
+                 for m in ("async", "reflow")}
+        body = {"command": f"bench {seeds}", "start_eval_reward": 0.3, "config": "c.toml", "overrides": [], "world_size": 2, "rollout_ranks": 1,
+                "time_budget_s": 60, "eval_prompts": 512, "seed_list": seeds, "modes": modes}
+        path.write_text(json.dumps(body))
+        return str(path)
+
+    first = result(tmp_path / "a.json", [0, 1, 2, 3], {"async": 0.40, "reflow": 0.50})  # seeds 2, 3 disturbed
+    rerun = result(tmp_path / "b.json", [2, 3], {"async": 0.40, "reflow": 0.42})
+    merged = merge_results([first, rerun])
+    assert merged["seed_list"] == [0, 1, 2, 3] and merged["seeds"] == 4
+    out = tmp_path / "merged.json"
+    assert finish(merged, str(out), {}) == 0
+    written = json.loads(out.read_text())
+    diffs = written["paired_eval_reward"]["reflow-async"]["differences"]
+    assert [round(d, 9) for d in diffs] == [0.1, 0.1, 0.02, 0.02]  # seeds 2 and 3 from the rerun
+    bad = result(tmp_path / "c.json", [4], {"async": 0.4, "reflow": 0.4})
+    body = json.loads(open(bad).read())
+    body["config"] = "other.toml"
+    open(bad, "w").write(json.dumps(body))
+    import pytest
+
+    with pytest.raises(ValueError, match="config"):
+        merge_results([first, bad])
