@@ -25,6 +25,9 @@ from reflow.config.job_config import JobConfig
 from reflow.config.manager import ConfigError, config_to_dict
 
 RUN_FILE = "run.json"
+STOP_FILE = "stopped.json"
+"""Written by rank 0 when a stop signal ended the run early after its checkpoint: a batch script reads it to
+exit 0 (and, at Slurm's time-limit warning, requeue), however torchrun itself exited."""
 
 RESUME_FREE = (
     "job.description", "job.dump_folder", "job.cpu_affinity", "job.collective_timeout_s", "job.allow_config_change",
@@ -117,3 +120,49 @@ def write_record(cfg: JobConfig, record: dict | None, resumed_step: int | None) 
     with open(path + ".tmp", "w") as f:
         json.dump(record, f, indent=1, default=str)
     os.replace(path + ".tmp", path)
+
+
+def record_stop(cfg: JobConfig, by: str, step: int, checkpointed: bool) -> None:
+    """Rank 0, at the end of a run a stop signal ended early: what stopped it, after which step."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    path = os.path.join(cfg.job.dump_folder, STOP_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"by": by, "step": step, "checkpoint": checkpointed, "at": now.timestamp(),
+                   "at_utc": now.isoformat(timespec="seconds")}, f)
+    os.replace(path + ".tmp", path)
+
+
+def clear_stop(cfg: JobConfig) -> None:
+    """Rank 0, when a run starts: an earlier stop's record is not this run's."""
+    try:
+        os.remove(os.path.join(cfg.job.dump_folder, STOP_FILE))
+    except FileNotFoundError:
+        pass
+
+
+def stopped_since(dump_folder: str, since: float) -> dict | None:
+    """The stop record written after ``since`` (a POSIX time) with a checkpoint, or None."""
+    try:
+        with open(os.path.join(dump_folder, STOP_FILE)) as f:
+            record = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return record if record.get("at", 0) >= since and record.get("checkpoint") else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m reflow.run_record stopped DUMP_FOLDER SINCE``: print the signal that stopped the run in
+    DUMP_FOLDER with a checkpoint after SINCE (POSIX seconds) and exit 0, or exit 1 (for batch scripts)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 3 or args[0] != "stopped":
+        print("usage: python -m reflow.run_record stopped DUMP_FOLDER SINCE", file=sys.stderr)
+        return 2
+    record = stopped_since(args[1], float(args[2]))
+    if record is None:
+        return 1
+    print(record["by"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

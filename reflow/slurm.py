@@ -12,9 +12,15 @@ c10d rendezvous on the first node (torchrun's own multi-node launch). ``--gpus-p
 
 The script checks the config, placement, data, model folder and checkpoint once (``reflow.train --check``)
 before ``srun`` starts any rank; asks Slurm for SIGUSR1 ``--signal-s`` seconds before the time limit,
-which torchrun forwards to every rank (each stops after its step, checkpoints and exits 0), and requeue
-resumes from that checkpoint; writes its log to ``<dump_folder>/slurm/%x-%j.out``, a folder this command
-creates (Slurm opens the log before the script runs).
+which torchrun forwards to every rank (each stops after its step and checkpoints; rank 0 records the stop,
+``reflow.run_record``). torchrun itself then exits 1 with a SignalException, so the script decides by the
+stop record instead: a run stopped by SIGUSR1 after a checkpoint requeues the job (``scontrol requeue``: it
+resumes from that checkpoint in a new allocation) and ends 0; one stopped by SIGTERM (scancel, preemption,
+which Slurm requeues itself under ``--requeue``) ends 0. On a GPU cluster the job asks for host memory from
+the memory plan: the pinned host memory of a node's ranks plus ``HOST_GIB_PER_RANK`` for each rank's own
+(``--mem``; a CPU cluster's ranks hold everything in host memory, which the plan does not size). The log
+goes to ``<dump_folder>/slurm/%x-%j.out``, a folder this command creates (Slurm opens the log before the
+script runs).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from reflow.config import ConfigError, ConfigManager
 from reflow.config.validate import validate, validate_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOST_GIB_PER_RANK = 16
+"""Host memory a GPU rank uses beside its pinned buffers (the interpreter, torch, CUDA and NCCL host state,
+vLLM's scheduler and tokenizer, the prompts): an allowance, not a measurement (no GPU node has run one yet)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,13 @@ def job_shape(world_size: int, gpus_per_node: int, ranks_per_node: int, tasks_pe
     return JobShape(world_size, math.ceil(agents / tasks_per_node), min(tasks_per_node, agents), per_task, gpus_per_node)
 
 
-def render(shape: JobShape, config: str, overrides: list[str], dump_folder: str, job_name: str, options: argparse.Namespace) -> str:
+def host_memory_gib(pinned_bytes_per_node: int, ranks_per_node: int) -> int:
+    """The host memory a GPU node's job asks for (``--mem``): its pinned buffers plus each rank's own, whole GiB."""
+    return math.ceil(pinned_bytes_per_node / 2**30 + HOST_GIB_PER_RANK * ranks_per_node)
+
+
+def render(shape: JobShape, config: str, overrides: list[str], dump_folder: str, job_name: str, options: argparse.Namespace,
+           mem_gib: int = 0) -> str:
     python = shlex.quote(options.python)
     args = " ".join(shlex.quote(a) for a in ["--config", config, *overrides])
     header = [
@@ -77,6 +92,8 @@ def render(shape: JobShape, config: str, overrides: list[str], dump_folder: str,
     ]
     if shape.gpus_per_node:
         header.append(f"#SBATCH --gpus-per-node={shape.gpus_per_node}")
+    if mem_gib:
+        header.append(f"#SBATCH --mem={mem_gib}G")
     for flag in ("partition", "time", "account"):
         if getattr(options, flag):
             header.append(f"#SBATCH --{flag}={getattr(options, flag)}")
@@ -99,11 +116,27 @@ port=$((20000 + SLURM_JOB_ID % 20000))
 # bad input is one line and exit code 2 here, before any rank starts
 WORLD_SIZE={shape.world_size} {python} -m reflow.train {args} --check
 
+started=$(date +%s)
+set +e
 srun --kill-on-bad-exit=1 {python} -m torch.distributed.run \\
   --nnodes {shape.agents} --nproc-per-node {shape.ranks_per_task} \\
   --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:$port" \\
   --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout {max(options.signal_s - 10, 10)} \\
   -m reflow.train {args}
+code=$?
+set -e
+# a stop signal: the ranks checkpointed and stopped, and torchrun exits 1 after forwarding the signal; the stop
+# record (rank 0's) says what happened. SIGUSR1 is the time limit's warning: requeue, to resume in a new allocation
+stop=$({python} -m reflow.run_record stopped {shlex.quote(dump_folder)} "$started" || true)
+if [ -n "$stop" ]; then
+  echo "reflow: the run stopped on $stop after its checkpoint"
+  if [ "$stop" = SIGUSR1 ]; then
+    echo "reflow: requeueing job $SLURM_JOB_ID: it resumes from that checkpoint"
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  exit 0
+fi
+exit $code
 """
 
 
@@ -139,8 +172,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{manager.where('placement.trainer_shard_degree')}: placement.trainer_shard_degree = -1 (every rank that "
                 f"does not generate trains) leaves the world size open: pass --world-size"
             )
-        validate_world(cfg, world, manager.where)
+        placement_plan = validate_world(cfg, world, manager.where)
         shape = job_shape(world, options.gpus_per_node, options.ranks_per_node or options.gpus_per_node or world, options.tasks_per_node)
+        mem_gib = 0
+        if shape.gpus_per_node:
+            from reflow.memory_plan import memory_plan
+            from reflow.model.recipe import load_recipe
+
+            plan = memory_plan(cfg, load_recipe(cfg.model.recipe), placement_plan)
+            ranks_per_node = shape.tasks_per_node * shape.ranks_per_task
+            pinned_per_rank = max((role.pinned_host_bytes for role in plan.roles), default=0)  # the role that pins most
+            mem_gib = host_memory_gib(pinned_per_rank * ranks_per_node, ranks_per_node)
     except (ConfigError, ValueError) as e:
         print(f"reflow.slurm: {e}", file=sys.stderr)
         return 2
@@ -149,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     name = os.path.splitext(os.path.basename(options.config))[0]
     out = options.out or os.path.join(dump, "slurm", f"{name}.sbatch")
     with open(out, "w") as f:
-        f.write(render(shape, os.path.abspath(options.config), overrides, dump, f"reflow-{name}", options))
+        f.write(render(shape, os.path.abspath(options.config), overrides, dump, f"reflow-{name}", options, mem_gib))
     print(out)
     if options.submit:
         return subprocess.run(["sbatch", out]).returncode

@@ -31,7 +31,7 @@ from reflow.config.validate import mode_warnings, parse_schedule, validate, vali
 from reflow.distributed.placement import feasible_placements
 from reflow.memory_plan import memory_plan
 from reflow.model.recipe import load_recipe, resolve_path
-from reflow.run_record import check_dump_folder, write_record
+from reflow.run_record import check_dump_folder, clear_stop, record_stop, write_record
 
 logger = logging.getLogger("reflow")
 
@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = build_components(cfg, recipe, placement, schedule, warnings, problems)
     if parts.rank == 0:  # what produced this run, kept with it (a resume appends itself)
         write_record(cfg, record, resume_step)
+        clear_stop(cfg)
     mode = MODES[cfg.training.mode](parts)
     mode.stop_signals.install()  # SIGTERM / SIGUSR1: stop after the current step (reflow.stopping)
     t0 = time.time()
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f"a checkpoint of step {mode.step} is in {parts.checkpoints.folder}" if cfg.checkpoint.enable else (
             "checkpoint.enable is false: nothing to resume from")
         parts.logger.info(f"stopped by {mode.stopped_by} after step {mode.step}; {where}; run the same command to resume")
+        if parts.rank == 0:  # for a batch script: exit 0 (and requeue at the time limit) whatever torchrun returns
+            record_stop(cfg, mode.stopped_by, mode.step, cfg.checkpoint.enable)
     if code == 0 and mode.stopped_by in (None, "time budget") and cfg.checkpoint.export_hf and parts.trainer is not None and parts.trainer.active:
         out = os.path.join(cfg.job.dump_folder, "hf_final")
         parts.trainer.export_hf(out, write=parts.rank == 0)

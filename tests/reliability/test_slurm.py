@@ -6,6 +6,7 @@ The daemons are installed when absent and apt is usable (as root, as in CI), sta
 temporary folder, and stopped by their PIDs at the end. Skipped, with the reason, where that cannot be done."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -41,6 +42,18 @@ def test_the_shipped_configs_render(tmp_path):
         text = out.read_text()
         assert f"#SBATCH --nodes={nodes}" in text and f"--nnodes {nodes} --nproc-per-node 8" in text
         assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in text and "--check" in text
+        assert 'scontrol requeue "$SLURM_JOB_ID"' in text and "reflow.run_record stopped" in text
+        # host memory from the plan: the node's pinned buffers plus each rank's own
+        from reflow.config import ConfigManager
+        from reflow.config.validate import validate_world
+        from reflow.memory_plan import memory_plan
+        from reflow.model.recipe import load_recipe
+        from reflow.slurm import HOST_GIB_PER_RANK
+
+        cfg = ConfigManager().parse_args(["--config", f"train_configs/{config}.toml"])
+        plan = memory_plan(cfg, load_recipe(cfg.model.recipe), validate_world(cfg, 8 * nodes))
+        pinned = max(role.pinned_host_bytes for role in plan.roles) * 8 / 2**30
+        assert f"#SBATCH --mem={math.ceil(pinned + 8 * HOST_GIB_PER_RANK)}G" in text
     run = subprocess.run(
         [sys.executable, "-m", "reflow.slurm", "--config", "train_configs/tiny.toml"], cwd=ROOT, capture_output=True,
         text=True, timeout=120,
@@ -142,26 +155,58 @@ def slurm(tmp_path):
         subprocess.run(["pkill", "-TERM", "-f", str(conf)], capture_output=True, timeout=30)
 
 
-def test_the_rendered_job_trains_on_a_real_slurm(tmp_path, slurm):
+def _job_state(job: str, env: dict) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    return next((word.split("=", 1)[1] for word in shown.split() if word.startswith("JobState=")), "")
+
+
+def test_the_rendered_job_trains_stops_at_the_time_limit_requeues_and_resumes_on_a_real_slurm(tmp_path, slurm):
+    """The rendered script on a real one-node Slurm: two torchrun agents join one world and train. Slurm's
+    time-limit warning (SIGUSR1, sent here with scancel) stops the ranks after a checkpoint; torchrun exits 1
+    after forwarding it, yet the script ends 0 and requeues the job, which resumes from that checkpoint and
+    finishes the run."""
     dump = tmp_path / "run"
     out = tmp_path / "tiny.sbatch"
     render = subprocess.run(
         [
             sys.executable, "-m", "reflow.slurm", "--config", "train_configs/tiny.toml", "--world-size", "2",
             "--gpus-per-node", "0", "--tasks-per-node", "2", "--cpus-per-task", "1", "--out", str(out),
-            f"--job.dump_folder={dump}", "--training.steps=2", "--training.prompts_per_step=4", "--training.group_size=4",
-            "--rollout.max_new_tokens=16", "--metrics.enable_progress_bar=false",
+            f"--job.dump_folder={dump}", "--training.steps=5", "--training.prompts_per_step=4", "--training.group_size=4",
+            "--rollout.max_new_tokens=16", "--metrics.enable_progress_bar=false", "--checkpoint.enable=true",
+            "--checkpoint.interval=1",
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert render.returncode == 0, render.stderr
+    text = out.read_text()
+    assert "--mem" not in text  # a CPU cluster: the plan does not size host memory
     assert os.path.isdir(dump / "slurm")  # Slurm opens the log there before the script runs
-    job = subprocess.run(["sbatch", "--wait", str(out)], cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=900)
-    logs = [p for p in (dump / "slurm").iterdir() if p.suffix == ".out"]
-    log = logs[0].read_text() if logs else ""
-    assert job.returncode == 0, job.stdout + job.stderr + log[-4000:]
-    assert "trained 2 steps" in log
-    rows = [json.loads(line) for line in open(dump / "metrics.jsonl")]
-    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    submit = subprocess.run(["sbatch", "--parsable", str(out)], cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=60)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+
+    def log() -> str:
+        logs = [p for p in (dump / "slurm").iterdir() if p.suffix == ".out"]
+        return logs[0].read_text() if logs else ""
+
+    def wait_for(condition, what: str, seconds: float) -> None:
+        deadline = time.time() + seconds
+        while not condition():
+            assert time.time() < deadline, f"{what} never happened; job {_job_state(job, slurm)}:\n{log()[-4000:]}"
+            time.sleep(1)
+
+    metrics = dump / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and any('"loss"' in line for line in metrics.read_text().splitlines()), "step 1", 400)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True, timeout=60)  # the time limit's warning
+    wait_for(lambda: "requeueing job" in log(), "the requeue", 300)
+    stop = json.loads((dump / "stopped.json").read_text())
+    assert stop["by"] == "SIGUSR1" and stop["checkpoint"] and f"stopped by SIGUSR1 after step {stop['step']}" in log()
+    assert stop["step"] < 5, "the stop came after the run had finished: the test proves nothing"
+    wait_for(lambda: _job_state(job, slurm) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", ""), "the job's end", 600)
+    assert _job_state(job, slurm) == "COMPLETED", log()[-4000:]
+    assert f"resumed from step {stop['step']}" in log() and "trained 5 steps" in log()
+    rows = [json.loads(line) for line in open(metrics)]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]  # each step once, across the requeue
     assert (dump / "hf_final" / "model.safetensors").exists()
-    assert "world 2" in log  # two agents, one rank each, joined one world through the c10d rendezvous
+    assert "world 2" in log()  # two agents, one rank each, joined one world through the c10d rendezvous
+    assert not (dump / "stopped.json").exists()  # the resumed run cleared the stop it resumed from
