@@ -43,3 +43,25 @@ def test_unknown_flavor(tmp_path):
     bad.write_text(src.replace('flavor = "8B"', 'flavor = "9B"'))
     with pytest.raises(ValueError, match="flavor"):
         build_model_config(load_recipe(str(bad)))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_builds_q_k_v_apart_and_maps_one_to_one_onto_hf(name):
+    """torchtitan's registry flavors fuse q/k/v into one ``wqkv`` whose state-dict hooks break
+    ``get_model_state_dict`` (every GPU recipe's first checkpoint) and all-gather the fused weight in each
+    ``state_dict()``; the recipes build them unfused. Every parameter name then maps to exactly one HF name,
+    the q/k/v projections each to their own, as vLLM and HF keep them (on meta: no memory)."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    from reflow.trainer.hf_io import build_adapter
+
+    cfg = build_model_config(load_recipe(name))
+    model = build_on_meta(cfg)
+    assert not any(isinstance(module, FusedQKVLinear) for module in model.modules())
+    names = [key for key in model.state_dict() if "rope" not in key and "freqs" not in key]
+    # no hook renames a key: the state dict's names are the parameters' own (tied ones under both names)
+    assert names == [key for key, _ in model.named_parameters(remove_duplicate=False)]
+    hf = build_adapter(cfg, None).to_hf({key: model.state_dict()[key] for key in names})
+    for layer in range(len(cfg.layers)):
+        for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert f"model.layers.{layer}.self_attn.{projection}.weight" in hf, sorted(hf)[:12]
