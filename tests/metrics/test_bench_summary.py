@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from reflow.bench.modes import aggregate, ledger_summary
 
 
@@ -100,9 +102,7 @@ def test_learning_curve_samples_the_moving_reward_by_time_and_by_step():
 
 
 def test_merging_results_replaces_the_rerun_seeds_and_pairs_by_seed(tmp_path):
-    from reflow.bench.modes import finish, merge_results
-
-    from reflow.bench.modes import SUMMARY_KEYS
+    from reflow.bench.modes import SUMMARY_KEYS, finish, merge_results
 
     def run(seed, reward):
         return {**dict.fromkeys(SUMMARY_KEYS, 1.0), "seed": seed, "placement": "T1x1+R1", "equal_time_s": 60.0,
@@ -129,7 +129,5 @@ def test_merging_results_replaces_the_rerun_seeds_and_pairs_by_seed(tmp_path):
     body = json.loads(open(bad).read())
     body["config"] = "other.toml"
     open(bad, "w").write(json.dumps(body))
-    import pytest
-
     with pytest.raises(ValueError, match="config"):
         merge_results([first, bad])
