@@ -51,14 +51,12 @@ class CheckpointManager:
     def check(self) -> None:
         """Before any rank starts: the checkpoint a resume would load exists, is complete and its metadata reads
         (a missing ``checkpoint.load_step``, or a corrupt one, is one error naming the key and the path)."""
-        if not self.enabled:
+        step = self.resume_step()
+        if step is None:
             return
         steps = self.available_steps()
-        if self.load_step >= 0 and self.load_step not in steps:
+        if step not in steps:
             raise self._missing_load_step(steps)
-        step = self.load_step if self.load_step >= 0 else (steps[-1] if steps else -1)
-        if step < 0:
-            return
         try:
             dcp.FileSystemReader(self._path(step)).read_metadata()
         except Exception as e:  # noqa: BLE001 - any failure to read it means the same thing to the user
@@ -68,8 +66,8 @@ class CheckpointManager:
             ) from None
 
     def resume_step(self) -> int | None:
-        """Before any rank starts: the step a run would resume from (checkpoint.load_step, else the latest
-        complete checkpoint), or None when it starts afresh."""
+        """The step a run resumes from (checkpoint.load_step, else the latest complete checkpoint), or None when it
+        starts afresh; ``check`` (before any rank starts) and ``maybe_load`` (rank 0's choice) both ask it."""
         if not self.enabled:
             return None
         if self.load_step >= 0:
@@ -121,14 +119,9 @@ class CheckpointManager:
         """Rank 0 decides which step to load (-1: none) and tells every rank, so all load the same one."""
         choice = [-1]
         if dist.get_rank() == 0:
-            steps = self.available_steps()
-            if self.load_step >= 0:
-                if self.load_step not in steps:
-                    choice = [-2]
-                else:
-                    choice = [self.load_step]
-            elif steps:
-                choice = [steps[-1]]
+            step = self.resume_step()
+            if step is not None:
+                choice = [step if step in self.available_steps() else -2]
         dist.broadcast_object_list(choice, src=0)
         if choice[0] == -2:
             raise self._missing_load_step(self.available_steps())
