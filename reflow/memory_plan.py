@@ -111,9 +111,13 @@ class MemoryPlan:
     def fits(self) -> bool:
         return not self.problems
 
+    def pinned_host_bytes_per_rank(self) -> int:
+        """The most one rank pins: the role that pins the most."""
+        return max((role.pinned_host_bytes for role in self.roles), default=0)
+
     def pinned_host_bytes_per_node(self) -> int:
         """The most a node's ranks pin, if its ranks all have the role that pins the most."""
-        return max((role.pinned_host_bytes for role in self.roles), default=0) * self.gpus_per_node
+        return self.pinned_host_bytes_per_rank() * self.gpus_per_node
 
     def as_dict(self) -> dict:
         return {

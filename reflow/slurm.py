@@ -172,17 +172,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{manager.where('placement.trainer_shard_degree')}: placement.trainer_shard_degree = -1 (every rank that "
                 f"does not generate trains) leaves the world size open: pass --world-size"
             )
-        placement_plan = validate_world(cfg, world, manager.where)
+        built_placement = validate_world(cfg, world, manager.where)
         shape = job_shape(world, options.gpus_per_node, options.ranks_per_node or options.gpus_per_node or world, options.tasks_per_node)
         mem_gib = 0
         if shape.gpus_per_node:
             from reflow.memory_plan import memory_plan
             from reflow.model.recipe import load_recipe
 
-            plan = memory_plan(cfg, load_recipe(cfg.model.recipe), placement_plan)
+            plan = memory_plan(cfg, load_recipe(cfg.model.recipe), built_placement)
             ranks_per_node = shape.tasks_per_node * shape.ranks_per_task
-            pinned_per_rank = max((role.pinned_host_bytes for role in plan.roles), default=0)  # the role that pins most
-            mem_gib = host_memory_gib(pinned_per_rank * ranks_per_node, ranks_per_node)
+            mem_gib = host_memory_gib(plan.pinned_host_bytes_per_rank() * ranks_per_node, ranks_per_node)
     except (ConfigError, ValueError) as e:
         print(f"reflow.slurm: {e}", file=sys.stderr)
         return 2
