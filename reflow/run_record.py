@@ -116,20 +116,22 @@ def write_record(cfg: JobConfig, record: dict | None, resumed_step: int | None) 
         })
         record["config"] = config
     os.makedirs(cfg.job.dump_folder, exist_ok=True)
-    path = os.path.join(cfg.job.dump_folder, RUN_FILE)
+    _write(os.path.join(cfg.job.dump_folder, RUN_FILE), record)
+
+
+def _write(path: str, body: dict) -> None:
+    """Whole or not at all: a reader (a resume, a batch script) never sees half a file."""
     with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1, default=str)
+        json.dump(body, f, indent=1, default=str)
     os.replace(path + ".tmp", path)
 
 
 def record_stop(cfg: JobConfig, by: str, step: int, checkpointed: bool) -> None:
     """Rank 0, at the end of a run a stop signal ended early: what stopped it, after which step."""
     now = datetime.datetime.now(datetime.timezone.utc)
-    path = os.path.join(cfg.job.dump_folder, STOP_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"by": by, "step": step, "checkpoint": checkpointed, "at": now.timestamp(),
-                   "at_utc": now.isoformat(timespec="seconds")}, f)
-    os.replace(path + ".tmp", path)
+    _write(os.path.join(cfg.job.dump_folder, STOP_FILE), {
+        "by": by, "step": step, "checkpoint": checkpointed, "at": now.timestamp(), "at_utc": now.isoformat(timespec="seconds"),
+    })
 
 
 def clear_stop(cfg: JobConfig) -> None:
