@@ -19,8 +19,6 @@ import sys
 import time
 from typing import Any
 
-from reflow.modes.ledger import EVICTION_CAUSES, FILTERED
-
 
 class MetricsLogger:
     def __init__(
@@ -105,13 +103,13 @@ def _replay_cycle(row: dict[str, Any]) -> str:
     """A decoupled step's replay cycle in a few words ("" for a sync step)."""
     if "replayed_samples" not in row:
         return ""
-    evicted = sum(int(row.get(f"evicted_{cause}", 0)) for cause in EVICTION_CAUSES if cause != FILTERED)
+    evicted = sum(int(row.get(f"evicted_{cause}", 0)) for cause in ("arrived_stale", "aged", "at_sync"))
     text = (
         f" | fresh {row.get('fresh_samples', 0)} replay {row['replayed_samples']} stale<={row.get('staleness_max', 0)}"
         f" idle T {row.get('trainer_idle_ratio', 0.0):.2f} R {row.get('rollout_idle_ratio', 0.0):.2f} evicted {evicted}"
     )
-    if row.get(f"evicted_{FILTERED}"):
-        text += f" filtered {int(row[f'evicted_{FILTERED}'])}"
+    if row.get("evicted_no_signal"):
+        text += f" filtered {int(row['evicted_no_signal'])}"
     return text
 
 
