@@ -102,7 +102,7 @@ class SyncMode(ModeBase):
         row = self.step_metrics(
             samples, samples, stats, timer, trained_version,
             trainer_wait_s=timer.get("gen"), engine_window=engine_stats,
-            loss_tokens=batch.loss_weighted_tokens() if samples else 0.0,
+            loss_tokens=batch.loss_weighted_tokens(),  # (a rank with no group trains a zero-weight row: 0)
         )
         row.update(filtering)
         # what the engines generated: the trained samples themselves unless dynamic sampling dropped groups
