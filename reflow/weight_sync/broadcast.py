@@ -4,7 +4,11 @@ Every rank derives the same ``SyncPlan`` from the model config on the meta
 device (no trainer state needed), so rollout-only ranks know every bucket's
 layout (HF names, shapes, dtype) without any metadata exchange:
 
-    trainer ranks        for each bucket: one all-gather of its parameters' shards (``gather_full``)
+    trainer ranks        for each bucket: one all-gather of its parameters' shards (``gather_full``), cast to
+                         the engine's dtype first (half the bytes of a float32 gather, and no float32 copy
+                         of the bucket), and only in the replicas that feed an engine: replica 0 (the
+                         broadcast's source) and, colocated, every replica (each rank's own engine); the
+                         other replicas of a decoupled placement hold shards no engine needs and skip it
     trainer rank 0       flattens the bucket into one tensor, broadcasts it over the sync group
     rollout-only ranks   receive the flat bucket, split it, hand (hf_name, tensor) to vLLM
     colocated ranks      (train and generate) feed their own gathered tensors to vLLM
@@ -62,6 +66,20 @@ def build_sync_plan(model_config, adapter, bucket_size_mb: float, dtype: torch.d
     return SyncPlan(buckets=buckets, dtype=dtype)
 
 
+def gathers_full_weights(placement: Placement, rank: int) -> bool:
+    """Does ``rank`` gather the full weights at a sync? The trainer replicas that feed an engine do: replica 0,
+    whose first rank broadcasts to the rollout-only ranks, and every replica of a colocated placement (each
+    rank feeds its own engine). A replica gathers as a whole (one all-gather over its shard group)."""
+    if not placement.is_trainer(rank):
+        return False
+    return placement.colocated or rank // placement.shard_degree == 0
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A shard (DTensor or plain) in ``dtype``: DTensor's ``to`` casts the local shard and keeps the placement."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 class WeightSync:
     """Moves the trainer's weights into every rollout rank's vLLM engine. All ranks call ``sync`` together."""
 
@@ -75,39 +93,45 @@ class WeightSync:
         # created by every rank (new_group is collective); None when everyone is colocated
         self.group = dist.new_group([self.src] + receivers) if receivers else None
         self.in_group = rank == self.src or rank in receivers
+        self.gathers = gathers_full_weights(placement, rank)
 
     def _bucket_tensors(self, trainer, state: dict, bucket) -> list[tuple[str, torch.Tensor]]:
-        """The bucket's full tensors under their HF names: one all-gather on the trainer mesh for the bucket."""
-        fulls = gather_full([state[tt_name].detach() for tt_name, _, _ in bucket])
+        """The bucket's full tensors under their HF names, in the engine's dtype: one all-gather on the
+        trainer mesh for the bucket, of shards cast before it (a cast is per element: the same values as
+        casting the gathered tensor, bitwise)."""
+        fulls = gather_full([_cast(state[tt_name].detach(), self.plan.dtype) for tt_name, _, _ in bucket])
         out = []
         for (tt_name, hf_name, shape), full in zip(bucket, fulls):
             hf = trainer.adapter.to_hf({tt_name: full})
-            out.append((hf_name, hf[hf_name].to(self.plan.dtype).reshape(shape)))
+            out.append((hf_name, hf[hf_name].reshape(shape)))
         return out
 
     def _stream(self, trainer):
         """Yield (hf_name, tensor) for this rank's engine, running the collectives bucket by bucket."""
-        is_trainer = self.placement.is_trainer(self.rank)
-        if is_trainer:
-            trainer.unpark("parameters")
-        state = trainer.model.state_dict() if is_trainer else None
+        if not self.gathers:  # a trainer replica that feeds no engine, or a rollout-only rank
+            if self.placement.is_trainer(self.rank):
+                return  # no collective of this sync involves it
+            yield from self._receive_all()
+            return
+        trainer.unpark("parameters")
+        state = trainer.model.state_dict()
         for bucket in self.plan.buckets:
-            tensors = self._bucket_tensors(trainer, state, bucket) if is_trainer else None
-            if self.group is not None and self.in_group:
-                numel = sum(_numel(s) for _, _, s in bucket)
-                if self.rank == self.src:
-                    flat = torch.cat([t.reshape(-1) for _, t in tensors]).to(self.device)
-                else:
-                    flat = torch.empty(numel, dtype=self.plan.dtype, device=self.device)
+            tensors = self._bucket_tensors(trainer, state, bucket)
+            if self.group is not None and self.rank == self.src:
+                flat = torch.cat([t.reshape(-1) for _, t in tensors]).to(self.device)
                 dist.broadcast(flat, src=self.src, group=self.group)
-                if not is_trainer:
-                    tensors, off = [], 0
-                    for _, hf_name, shape in bucket:
-                        n = _numel(shape)
-                        tensors.append((hf_name, flat[off : off + n].view(shape)))
-                        off += n
-            if tensors is not None:
-                yield from tensors
+            yield from tensors
+
+    def _receive_all(self):
+        """A rollout-only rank: each bucket from the source's broadcast, split into its tensors."""
+        for bucket in self.plan.buckets:
+            flat = torch.empty(sum(_numel(s) for _, _, s in bucket), dtype=self.plan.dtype, device=self.device)
+            dist.broadcast(flat, src=self.src, group=self.group)
+            off = 0
+            for _, hf_name, shape in bucket:
+                n = _numel(shape)
+                yield hf_name, flat[off : off + n].view(shape)
+                off += n
 
     def sync(self, trainer, engine, version: int) -> dict[str, float]:
         """trainer: this rank's PolicyTrainer or None; engine: this rank's RolloutEngine.
