@@ -38,6 +38,19 @@ def set_vllm_env(cfg: JobConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.rollout.kv_cache_gib)))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ["VLLM_CACHE_ROOT"] = vllm_cache_root(os.environ, int(os.environ.get("RANK", "0")))
+
+
+def vllm_cache_root(env, rank: int) -> str:
+    """A vLLM cache root per global rank. Each rank's engine is its own rank 0, so vLLM's compile cache
+    (``<root>/torch_compile_cache/<hash>/rank_0_0``) would be one folder that every rank of a node writes at
+    once. The base is the user's ``VLLM_CACHE_ROOT`` (else vLLM's default, ``$XDG_CACHE_HOME/vllm``), kept in
+    ``REFLOW_VLLM_CACHE_BASE`` so that a second call does not nest."""
+    base = env.get("REFLOW_VLLM_CACHE_BASE") or env.get("VLLM_CACHE_ROOT") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm"
+    )
+    env["REFLOW_VLLM_CACHE_BASE"] = base
+    return os.path.join(base, f"rank{rank}")
 
 
 class _RopeReloadFilter(logging.Filter):

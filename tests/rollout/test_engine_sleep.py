@@ -79,3 +79,15 @@ def test_a_sleep_after_a_weights_only_wake_puts_the_weights_back_to_sleep(engine
     engine.load_weights(iter(()), version=3)
     engine.wake_up()
     assert engine.llm.calls[-1] == ("wake_up", None) and engine.asleep == set()
+
+
+def test_each_rank_has_its_own_vllm_cache_root():
+    from reflow.rollout.engine import vllm_cache_root
+
+    env = {"XDG_CACHE_HOME": "/c"}
+    env["VLLM_CACHE_ROOT"] = vllm_cache_root(env, 3)
+    assert env["VLLM_CACHE_ROOT"] == "/c/vllm/rank3"
+    env["VLLM_CACHE_ROOT"] = vllm_cache_root(env, 3)  # a second engine in the process: the same root, not nested
+    assert env["VLLM_CACHE_ROOT"] == "/c/vllm/rank3"
+    user = {"VLLM_CACHE_ROOT": "/fast/vllm"}
+    assert vllm_cache_root(user, 0) == "/fast/vllm/rank0"
