@@ -147,8 +147,9 @@ class TrainingSection:
     compile: bool = False
     """torch.compile every transformer block of the policy in place (state-dict names unchanged), before FSDP2,
     as torchtitan's apply_compile does: Inductor kernels, paid for by a compile in the first steps (and a
-    recompile when the micro-batch shape first changes, after which shapes are treated as dynamic). On CPU
-    it needs a C++ compiler."""
+    recompile when the micro-batch shape first changes, after which shapes are treated as dynamic; should a
+    block ever reach dynamo's recompile limit, the run fails rather than running it eagerly). On CPU it needs
+    a C++ compiler."""
     param_dtype: str = limited("float32", choices=("float32", "bfloat16"))
     """Dtype FSDP2 gathers parameters in for compute: 'float32' or 'bfloat16' (mixed precision on GPU; the
     shards, the optimizer and the gradient reduction stay float32)."""

@@ -44,5 +44,20 @@ def apply_block_compile(model: torch.nn.Module) -> None:
     """torch.compile each transformer block in place (``nn.Module.compile``: the module stays where it is, so
     no ``_orig_mod`` enters the state-dict names), one graph per block, as torchtitan's ``apply_compile``:
     the blocks are alike, so one compile serves them all."""
+    refuse_eager_fallback()
     for block in model.layers.values():
         block.compile(fullgraph=True)
+
+
+def refuse_eager_fallback() -> None:
+    """Make a compiled function that reaches dynamo's recompile limit fail, not run eagerly from then on.
+
+    Micro-batch widths and row counts change every step. Dynamo compiles a block (and torchtitan's compiled
+    flex attention) for the first shape, recompiles once with the changed dimension symbolic, and reuses that
+    graph for every later shape (``tests/trainer/test_recompiles.py`` counts the graphs over a run). Should
+    something specialize per shape anyway, the limit (8) would be reached some steps in, and the silent
+    fallback would run flex attention eagerly, which materializes the B x H x L x L scores (about 13 GB per
+    layer and row at 10k tokens on an 8B model): an out-of-memory error long after the cause. A loud error
+    at the limit names it instead. Process-wide; vLLM's compiled model dispatches without dynamo's guards,
+    so it never recompiles through them."""
+    torch._dynamo.config.fail_on_recompile_limit_hit = True

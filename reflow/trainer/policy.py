@@ -54,7 +54,12 @@ from reflow.trainer.elastic import (
 )
 from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
 from reflow.trainer.offload import HostParking
-from reflow.trainer.parallelize import apply_block_compile, apply_fsdp, apply_full_activation_checkpointing
+from reflow.trainer.parallelize import (
+    apply_block_compile,
+    apply_fsdp,
+    apply_full_activation_checkpointing,
+    refuse_eager_fallback,
+)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -196,6 +201,8 @@ class PolicyTrainer:
         self.model_config = build_model_config(recipe, cfg.model.attention)
         self.adapter = build_adapter(self.model_config, hf_dir)
         self.hf_dir = hf_dir
+        if cfg.model.attention == "flex":  # torchtitan compiles flex attention itself, with or without training.compile
+            refuse_eager_fallback()
         # 2. one FSDP skeleton (policy, and reference when the KL penalty is on) per placement this rank can
         #    belong to, on meta: no storage, no communication
         self.skeletons = {n: self._skeleton_pair(layout) for n, layout in layouts.items() if layout.has(self.rank)}
