@@ -352,8 +352,14 @@ class ModeBase:
     # ---- evaluation ----------------------------------------------------------------
 
     def evaluate(self, num_prompts: int) -> float:
-        """Mean reward of one sample per held-out prompt, at the rollout temperature (every rank generates a share)."""
+        """Mean reward of one sample per held-out prompt, at the rollout temperature (every rank generates a share).
+
+        A colocated rank's trainer state waits in host memory first, as for a step's generation: the engine
+        wakes into the whole budget the memory plan gives it (at step 0 the parameters and AdamW moments would
+        otherwise be resident, after a sync the parameters)."""
         parts = self.parts
+        if parts.trainer is not None:
+            parts.trainer.park("optimizer", "parameters")
         total, count = evaluate_share(parts, parts.turns, num_prompts, parts.rank, parts.world_size)
         summed = reduce_stats({"reward": total, "count": count}, None)
         return summed["reward"] / max(summed["count"], 1.0)

@@ -53,6 +53,15 @@ def vllm_cache_root(env, rank: int) -> str:
     return os.path.join(base, f"rank{rank}")
 
 
+def release_host_cache() -> None:
+    """Hand PyTorch's cached, unused pinned host blocks back to the OS."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is not None:
+        empty()
+    else:  # torch before the accelerator API had it
+        torch._C._host_emptyCache()
+
+
 class _RopeReloadFilter(logging.Filter):
     """vLLM warns on every in-place reload that RotaryEmbedding loaded no weights: its cos/sin cache is
     derived, not a checkpoint tensor, and vLLM keeps it as is. Drop that one message."""
@@ -112,6 +121,9 @@ class RolloutEngine:
         """KV usage, request counts and preemptions after the latest step (``reflow.rollout.kv_signals``)."""
         self.block_size = self.signal_reader.block_size
         self.cfg = cfg
+        self.keeps_weight_backup = cfg.training.mode == "sync" and cfg.weight_sync.interval > 1
+        """Does this engine sleep at level 1 again and again (sync mode with a sync every few steps), so that
+        its pinned weight backup is worth keeping cached between sleeps? Elsewhere a wake releases it."""
         self.version = 0
         self.asleep: set[str] = set()
         """vLLM's memory tags ("weights", "kv_cache") not mapped on the device now (CUDA; always empty on CPU)."""
@@ -244,6 +256,7 @@ class RolloutEngine:
             self.llm.wake_up(tags=["weights"])
             self.asleep.discard("weights")
             self.weights_discarded = False
+            self._release_weight_backup()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
@@ -278,5 +291,16 @@ class RolloutEngine:
         if self.weights_discarded:
             raise RuntimeError("the engine slept without its weights (level 2): load_weights must come before it runs")
         if self.asleep:
+            woke_weights = "weights" in self.asleep
             self.llm.wake_up()  # every tag still asleep
+            if woke_weights:
+                self._release_weight_backup()
         self.asleep = set()
+
+    def _release_weight_backup(self) -> None:
+        """After the weights woke: vLLM frees a level-1 sleep's pinned weight backup into PyTorch's host cache,
+        which keeps it (16 GiB for an 8B engine, the start-up sleep's included) unless emptied. Emptied here
+        unless this engine sleeps at level 1 again every step (``keeps_weight_backup``), where the next sleep
+        would pin it anew; the trainer's parking buffers are held, not cached, so they stay."""
+        if not self.keeps_weight_backup:
+            release_host_cache()

@@ -24,14 +24,42 @@ import torch
 
 class HostParking:
     """Storages moved to host memory, by group name ("optimizer", "parameters"); ``pin`` for fast copies
-    (pinned memory needs CUDA)."""
+    (pinned memory needs CUDA).
+
+    The host buffers are kept between parkings: a group parks every step (sync mode), and pinning is slow
+    (page-locking gigabytes takes seconds) and, through PyTorch's host cache, would otherwise leave the freed
+    buffers cached anyway. So each group owns one host buffer per storage, at the storage's exact size
+    (``reflow.distributed.utils.exact_pinned_allocations``), allocated at its first parking and reused: what
+    a rank pins is exactly what the memory plan's pinned term counts, all run long."""
 
     def __init__(self, pin: bool):
         self.pin = pin
         self.parked: dict[str, list[tuple[torch.UntypedStorage, torch.Tensor]]] = {}
+        self.buffers: dict[str, list[torch.Tensor]] = {}
+        """Each group's host buffers, parked or not."""
 
     def __contains__(self, name: str) -> bool:
         return name in self.parked
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the buffers hold (pinned when ``pin``)."""
+        return sum(buffer.numel() for buffers in self.buffers.values() for buffer in buffers)
+
+    def _buffers(self, name: str, sizes: list[int]) -> list[torch.Tensor]:
+        """The group's buffers for storages of these sizes: the kept ones if the sizes match (the same
+        trainer state, parked again), else new ones (a placement change resized the shards)."""
+        kept = self.buffers.get(name)
+        if kept is None or [buffer.numel() for buffer in kept] != sizes:
+            self.buffers.pop(name, None)  # dropped before the new ones are allocated
+            kept = [torch.empty(size, dtype=torch.uint8, pin_memory=self.pin) for size in sizes]
+            self.buffers[name] = kept
+        return kept
+
+    def release(self) -> None:
+        """Drop every buffer of groups not parked now (the trainer left this rank: nothing parks again)."""
+        for name in [name for name in self.buffers if name not in self.parked]:
+            del self.buffers[name]
 
     @torch.no_grad()
     def park(self, name: str, tensors: list[torch.Tensor]) -> int:
@@ -45,11 +73,9 @@ class HostParking:
                 continue
             seen.add(storage.data_ptr())
             storages.append(storage)
-        copies = []
-        for storage in storages:
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.pin)
+        copies = list(zip(storages, self._buffers(name, [storage.nbytes() for storage in storages])))
+        for storage, host in copies:
             host.copy_(_as_bytes(storage), non_blocking=self.pin)
-            copies.append((storage, host))
         if self.pin:
             torch.cuda.synchronize()  # the host copies are complete before the device bytes go
         for storage, _ in copies:
@@ -59,7 +85,8 @@ class HostParking:
 
     @torch.no_grad()
     def unpark(self, name: str) -> int:
-        """Re-allocate the parked storages on their device and copy the bytes back. Returns the bytes."""
+        """Re-allocate the parked storages on their device and copy the bytes back (the host buffers stay, for
+        the next parking). Returns the bytes."""
         copies = self.parked.pop(name, None)
         if copies is None:
             return 0
@@ -67,7 +94,7 @@ class HostParking:
             storage.resize_(host.numel())
             _as_bytes(storage).copy_(host, non_blocking=self.pin)
         if self.pin:
-            torch.cuda.synchronize()  # the host buffers are dropped next
+            torch.cuda.synchronize()  # the device copies are complete before the buffers are written again
         return sum(host.numel() for _, host in copies)
 
 

@@ -332,6 +332,8 @@ class PolicyTrainer:
         elif leaves:
             report.bytes_freed = release(shard_tensors(self.model, self.optimizer, self.ref_model))
             model = reference = optimizer = None
+            if self.parking is not None:
+                self.parking.release()  # nothing parks on this rank until it rejoins
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the freed bytes go back to the device, for vLLM to take
         else:
@@ -465,7 +467,13 @@ class PolicyTrainer:
                 dropped_max[0] = max(dropped_max[0].item(), gap.max_abs)
                 kept.append(replace(seg, loss_mask=keep))
             segments = kept
-        ref_lps = self._segment_logprobs(segments, self.ref_model) if self.ref_model is not None else [None] * len(segments)
+        ref_lps = [None] * len(segments)
+        if self.ref_model is not None:
+            ref_lps = self._segment_logprobs(segments, self.ref_model)
+            # FSDP2 keeps a root unit gathered after its forward, for the backward that would follow; the frozen
+            # reference has none, so its embeddings and head (2.3 GiB for 8B in bf16) would stay gathered
+            # through the policy's update, outside the memory plan
+            self.ref_model.reshard()
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
         max_diff = torch.zeros(1, dtype=torch.float64)
         grad_norms, clipped_norms = [], []

@@ -33,6 +33,8 @@ def engine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     engine = object.__new__(RolloutEngine)  # the sleep and reload logic, without building vLLM
     engine.llm, engine.active, engine.asleep, engine.weights_discarded, engine.version = RecordingLLM(), {}, set(), False, 0
+    engine.keeps_weight_backup = False
+    monkeypatch.setattr("reflow.rollout.engine.release_host_cache", lambda: engine.llm.calls.append(("release_host_cache",)))
     return engine
 
 
@@ -41,7 +43,9 @@ def test_a_sleep_before_a_sync_drops_the_weights_and_the_reload_maps_only_theirs
     with pytest.raises(RuntimeError, match="load_weights must come before"):
         engine.wake_up()  # it must not run on weights it no longer has
     engine.load_weights(iter(()), version=1)
-    assert engine.llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("reload_weights",), ("reset_prefix_cache",)]
+    assert engine.llm.calls == [
+        ("sleep", 2), ("wake_up", ("weights",)), ("release_host_cache",), ("reload_weights",), ("reset_prefix_cache",)
+    ]
     assert engine.sleeping and not engine.weights_discarded and engine.version == 1
     engine.wake_up()  # the next generation maps the KV cache, after the trainer parked its state
     assert engine.llm.calls[-1] == ("wake_up", None) and not engine.sleeping
@@ -51,10 +55,25 @@ def test_any_other_sleep_keeps_the_weights_and_a_reload_still_leaves_the_cache_a
     engine.sleep()
     engine.sleep()  # asleep already: nothing more
     engine.load_weights(iter(()), version=3)
-    assert engine.llm.calls == [("sleep", 1), ("wake_up", ("weights",)), ("reload_weights",), ("reset_prefix_cache",)]
+    # the level-1 backup, copied back into the mapped weights, leaves PyTorch's host cache too
+    assert engine.llm.calls == [
+        ("sleep", 1), ("wake_up", ("weights",)), ("release_host_cache",), ("reload_weights",), ("reset_prefix_cache",)
+    ]
     assert engine.sleeping
-    engine.wake_up()
+    engine.wake_up()  # the KV cache only: no backup to release
     assert engine.llm.calls[-1] == ("wake_up", None) and not engine.sleeping
+
+
+def test_a_wake_releases_the_weight_backup_unless_the_engine_sleeps_at_level_1_every_step(engine):
+    """The start-up sleep (level 1) leaves a pinned copy of the weights that vLLM frees into PyTorch's host
+    cache at the wake; only sync mode with a sync every few steps sleeps at level 1 again and reuses it."""
+    engine.sleep()
+    engine.wake_up()
+    assert engine.llm.calls == [("sleep", 1), ("wake_up", None), ("release_host_cache",)]
+    engine.keeps_weight_backup = True
+    engine.sleep()
+    engine.wake_up()
+    assert engine.llm.calls[-2:] == [("sleep", 1), ("wake_up", None)]
 
 
 def test_an_awake_engine_reloads_without_waking_anything(engine):

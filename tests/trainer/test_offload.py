@@ -17,3 +17,6 @@ def test_parked_state_frees_the_device_bytes_and_trains_bitwise_as_before(tmp_pa
         # whose dim 0 does not divide by 2, and the padded storage moves whole)
         assert moved >= rep["shard_bytes"], (moved, rep["shard_bytes"])
 
+    # the host buffers are allocated at the first parking, at the parked bytes exactly, and reused every step
+    assert rep["same_buffers"]
+    assert rep["host_bytes"] == [moved for moved, _ in rep["freed"]]

@@ -40,7 +40,7 @@ def batch(step: int):
 
 def train(parked: bool):
     trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
-    freed, restored = [], []
+    freed, restored, buffers = [], [], []
     if parked:
         trainer.parking = HostParking(pin=False)
     for step in range(3):
@@ -50,18 +50,21 @@ def train(parked: bool):
             tensors = shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)
             # every shard's device bytes are gone (the step counters live on the host anyway)
             freed.append([moved, all(t.untyped_storage().nbytes() == 0 for t in tensors if t.dim() > 0)])
+            # the host buffers: one per storage at its size, the same ones every step
+            buffers.append([trainer.parking.host_bytes, sorted(b.data_ptr() for bs in trainer.parking.buffers.values() for b in bs)])
         trainer.train_step(batch(step))
         if parked:
             restored.append(all(t.untyped_storage().nbytes() > 0 for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)))
-    return [t.clone() for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)], freed, restored
+    return [t.clone() for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)], freed, restored, buffers
 
 
-straight, _, _ = train(parked=False)
-parked, freed, restored = train(parked=True)
+straight, _, _, _ = train(parked=False)
+parked, freed, restored, buffers = train(parked=True)
 flags = torch.tensor([float(all(torch.equal(a, b) for a, b in zip(straight, parked)))])
 dist.all_reduce(flags, op=dist.ReduceOp.MIN)
 expected = sum(t.numel() * t.element_size() for t in straight if t.dim() > 0)
-report = {"bitwise_equal": bool(flags.item()), "freed": freed, "restored": restored, "shard_bytes": expected}
+report = {"bitwise_equal": bool(flags.item()), "freed": freed, "restored": restored, "shard_bytes": expected,
+          "host_bytes": [b for b, _ in buffers], "same_buffers": all(ptrs == buffers[0][1] for _, ptrs in buffers)}
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f)
