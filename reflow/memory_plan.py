@@ -43,11 +43,27 @@ The engine's terms, per engine rank, with tensor-parallel degree T (bf16 weights
   asleep                    ENGINE_ASLEEP_GIB (sleep level 1 offloads the weights to pinned host memory and
                             frees the cache, level 2 drops both; the allocator's pools and CUDA graphs stay)
 
-Pinned host memory: the parked trainer state (parameters, AdamW moments, reference; gradients are freed after
-each update) of a colocated rank, and an asleep engine's weights at level 1: a decoupled trainer rank's, and a
-colocated rank's when ``weight_sync.interval`` > 1 (with a sync after every step, sync mode's engine sleeps at
-level 2: the reload overwrites the weights, so none are kept). A phase fits when its sum is at most
-``USABLE_FRACTION`` of the device (the CUDA context and the caching allocator's fragmentation take the rest).
+Every phase on a GPU also holds the CUDA context and the NCCL communicators the rank has joined
+(``CUDA_CONTEXT_GIB`` + ``NCCL_COMMUNICATOR_GIB`` each: the world, the trainer's shard and replica groups, the
+weight-sync group), and the weight sync adds a phase of its own:
+  sync (trainer, colocated) the trainer's resident terms (a colocated rank's optimizer parked, its engine's
+                            weights mapped to receive), and the sync's buckets in flight: 2 x
+                            ``weight_sync.bucket_size_mb`` in the engine's dtype (the bucket's all-gather output
+                            and the flat copy the broadcast sends; the cast shards are 1/S of that)
+
+Pinned host memory, allocated at its exact size above 16 MiB (``reflow.distributed.utils.
+exact_pinned_allocations``: PyTorch would round each allocation up to a power of two, 1.37x for an 8B
+trainer's shards) and held for the whole run:
+  parked trainer state      a colocated rank's parameter shards, AdamW moments and reference (gradients are freed
+                            after each update), in buffers allocated at the first parking and reused every step
+  engine weight backup      an asleep engine's weights at level 1: a decoupled trainer rank's (asleep while it
+                            trains), and a colocated rank's when ``weight_sync.interval`` > 1 (it sleeps at level
+                            1 every step). Elsewhere a wake hands the backup back to the OS (the start-up sleep's
+                            included); with a sync after every step sync mode's engine sleeps at level 2: the reload
+                            overwrites the weights, so none are kept
+A phase fits when its sum is at most ``USABLE_FRACTION`` of the device (the caching allocator's fragmentation
+takes the rest). The context, communicator and reserve constants are estimates until the device probe
+(``scripts/gpu_probe.py``) measures them on the GPU a recipe names.
 """
 
 from __future__ import annotations
@@ -60,8 +76,13 @@ ENGINE_RESERVE_GIB = 2.0
 ``max_num_batched_tokens``, the sampler's buffers and the CUDA graphs (1-3 GiB for 4B-32B models)."""
 ENGINE_ASLEEP_GIB = 1.0
 """What a sleeping engine keeps on the device (the allocator's pools, CUDA graphs)."""
-USABLE_FRACTION = 0.95
-"""Of the device's memory, what a phase may plan to use."""
+USABLE_FRACTION = 0.97
+"""Of the device's memory, what a phase may plan to use: the caching allocator's fragmentation takes the rest."""
+CUDA_CONTEXT_GIB = 0.75
+"""The CUDA context with PyTorch's kernels loaded, cuBLAS's workspace and the caching allocator's first blocks
+(0.5-0.8 GiB on an H100 with CUDA 12-13)."""
+NCCL_COMMUNICATOR_GIB = 0.25
+"""One NCCL communicator's buffers on a rank (NCCL_BUFFSIZE 4 MiB per channel and peer, plus its proxies)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +213,20 @@ def trainer_terms(cfg, arch, num_params: int, shard_degree: int) -> list[Term]:
     return terms
 
 
+def communicators(role: str) -> int:
+    """NCCL communicators a rank of ``role`` uses (NCCL creates one at a group's first collective): the world,
+    the trainer's shard and replica groups, the weight-sync group (colocated: none, each rank feeds its own
+    engine)."""
+    return {"colocated": 3, "trainer": 4, "rollout": 2}[role]
+
+
+def sync_buckets_term(cfg, arch) -> Term:
+    """The weight sync's buckets in flight on a trainer rank (see the module's docstring): a bucket holds
+    ``weight_sync.bucket_size_mb`` of bf16 values, or one tensor when a tensor is larger (the embeddings)."""
+    bucket = max(int(cfg.weight_sync.bucket_size_mb * 2**20), 2 * arch.vocab_size * arch.dim)
+    return Term("weight-sync buckets", 2 * bucket, "weight_sync.bucket_size_mb")
+
+
 def kv_bytes_per_token(arch, tensor_parallel: int) -> int:
     """K and V, bf16, every layer, this rank's share of the KV heads (replicated when T exceeds them)."""
     heads = max(arch.n_kv_heads // tensor_parallel, 1)
@@ -209,7 +244,14 @@ def memory_plan(cfg, recipe, placement) -> MemoryPlan:
     asleep = Term("engine asleep", int(ENGINE_ASLEEP_GIB * GIB) if on_gpu else 0, "(vLLM's pools while asleep)")
     problems: list[str] = []
 
-    def engine_phase(extra: list[Term]) -> tuple[Phase, int | None]:
+    def on_device(role: str) -> tuple[Term, ...]:
+        """The CUDA context and the role's NCCL communicators (on a GPU)."""
+        if not on_gpu:
+            return ()
+        gib = CUDA_CONTEXT_GIB + NCCL_COMMUNICATOR_GIB * communicators(role)
+        return (Term("CUDA context, NCCL", int(gib * GIB), "(measured by scripts/gpu_probe.py)"),)
+
+    def engine_phase(extra: list[Term], role: str) -> tuple[Phase, int | None]:
         if not on_gpu:
             return Phase("generate", (engine_weights, *extra)), None
         budget = int(cfg.rollout.gpu_memory_utilization * device_bytes)
@@ -226,24 +268,33 @@ def memory_plan(cfg, recipe, placement) -> MemoryPlan:
                 f"(now {tp}) or rollout.gpu_memory_utilization"
             )
         cache = Term("KV cache", max(kv, 0), "rollout.gpu_memory_utilization")
-        return Phase("generate", (engine_weights, reserve, cache, *extra)), tokens
+        return Phase("generate", (engine_weights, reserve, cache, *extra, *on_device(role))), tokens
 
     trainer = trainer_terms(cfg, arch, num_params, placement.shard_degree)
     parked = sum(term.bytes for term in trainer if term.name in ("parameter shards", "AdamW moments", "reference shards"))
+    buckets = sync_buckets_term(cfg, arch)
+    resident = tuple(term for term in trainer if term.name in ("parameter shards", "AdamW moments", "reference shards"))
     roles = []
     if placement.colocated:
         offload = on_gpu and cfg.training.offload_while_generating
         stays = [] if offload else [Term("trainer state", parked, "training.offload_while_generating")]
-        generate, tokens = engine_phase(stays)
+        generate, tokens = engine_phase(stays, "colocated")
+        # the sync: the parameters back on the device (the optimizer and reference stay parked when offloading),
+        # the engine's weights mapped to receive them, its KV cache asleep
+        kept = tuple(term for term in resident if term.name == "parameter shards" or not offload)
+        sync = Phase("sync", (*kept, engine_weights, asleep, buckets, *on_device("colocated")))
         # the engine sleeps at level 2 (its weights dropped, not pinned) before a step that a sync follows
         keeps_weights = cfg.weight_sync.interval > 1
-        roles.append(RolePlan("colocated", placement.world_size, (generate, Phase("train", (*trainer, asleep))),
+        roles.append(RolePlan("colocated", placement.world_size,
+                              (generate, Phase("train", (*trainer, asleep, *on_device("colocated"))), sync),
                               pinned_host_bytes=(parked if offload else 0) + engine_weights.bytes * on_gpu * keeps_weights,
                               kv_tokens=tokens))
     else:
-        roles.append(RolePlan("trainer", placement.num_trainer_ranks, (Phase("train", (*trainer, asleep)),),
+        roles.append(RolePlan("trainer", placement.num_trainer_ranks,
+                              (Phase("train", (*trainer, asleep, *on_device("trainer"))),
+                               Phase("sync", (*resident, asleep, buckets, *on_device("trainer")))),
                               pinned_host_bytes=engine_weights.bytes * on_gpu))
-        generate, tokens = engine_phase([])
+        generate, tokens = engine_phase([], "rollout")
         roles.append(RolePlan("rollout", placement.num_rollout_ranks, (generate,), kv_tokens=tokens))
     if on_gpu:
         usable = USABLE_FRACTION * device_bytes
