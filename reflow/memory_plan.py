@@ -51,7 +51,7 @@ weight-sync group), and the weight sync adds a phase of its own:
                             ``weight_sync.bucket_size_mb`` in the engine's dtype (the bucket's all-gather output
                             and the flat copy the broadcast sends; the cast shards are 1/S of that)
 
-Pinned host memory, allocated at its exact size above 16 MiB (``reflow.distributed.utils.
+Pinned host memory, allocated at its exact size above 16 MiB (``reflow.distributed.host_memory.
 exact_pinned_allocations``: PyTorch would round each allocation up to a power of two, 1.37x for an 8B
 trainer's shards) and held for the whole run:
   parked trainer state      a colocated rank's parameter shards, AdamW moments and reference (gradients are freed

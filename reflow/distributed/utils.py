@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from reflow.distributed.host_memory import exact_pinned_allocations
+
 logger = logging.getLogger("reflow")
 
 
@@ -60,19 +62,6 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     return rank, world, device
-
-
-PINNED_ROUND_THRESHOLD_MB = 16
-"""Pinned host allocations above this size are made at their size, not rounded up to a power of two."""
-
-
-def exact_pinned_allocations() -> None:
-    """PyTorch's pinned host allocator rounds every allocation up to a power of two (for reuse of small
-    staging buffers): the trainer's parked shards and vLLM's level-1 weight backups, a few large
-    allocations each, would pin 1.0-2.0x their size (1.37x for an 8B trainer's shards). Above
-    ``PINNED_ROUND_THRESHOLD_MB`` they are made at their size, which the memory plan then counts exactly;
-    the small ones keep the rounding. Process-wide, before the first pinned allocation."""
-    torch._C._accelerator_setAllocatorSettings(f"pinned_max_round_threshold_mb:{PINNED_ROUND_THRESHOLD_MB}")
 
 
 @dataclass

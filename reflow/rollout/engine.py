@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 
 from reflow.config.job_config import JobConfig
+from reflow.distributed.host_memory import release_host_cache
 from reflow.model.recipe import Recipe
 from reflow.rollout.kv_signals import EngineSignalReader, EngineSignals
 from reflow.rollout.request import Request
@@ -51,15 +52,6 @@ def vllm_cache_root(env, rank: int) -> str:
     )
     env["REFLOW_VLLM_CACHE_BASE"] = base
     return os.path.join(base, f"rank{rank}")
-
-
-def release_host_cache() -> None:
-    """Hand PyTorch's cached, unused pinned host blocks back to the OS."""
-    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-    if empty is not None:
-        empty()
-    else:  # torch before the accelerator API had it
-        torch._C._host_emptyCache()
 
 
 class _RopeReloadFilter(logging.Filter):

@@ -29,7 +29,7 @@ class HostParking:
     The host buffers are kept between parkings: a group parks every step (sync mode), and pinning is slow
     (page-locking gigabytes takes seconds) and, through PyTorch's host cache, would otherwise leave the freed
     buffers cached anyway. So each group owns one host buffer per storage, at the storage's exact size
-    (``reflow.distributed.utils.exact_pinned_allocations``), allocated at its first parking and reused: what
+    (``reflow.distributed.host_memory.exact_pinned_allocations``), allocated at its first parking and reused: what
     a rank pins is exactly what the memory plan's pinned term counts, all run long."""
 
     def __init__(self, pin: bool):
