@@ -31,9 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
-from reflow.algorithms.entropy import entropy_from_logits
 from reflow.algorithms.kl import kl_estimate, kl_shaped_advantages
 from reflow.algorithms.off_policy import mismatch
 from reflow.algorithms.settings import aggregation, lr_schedule, off_policy_correction, policy_loss
@@ -53,6 +51,7 @@ from reflow.trainer.elastic import (
     zero_shards,
 )
 from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
+from reflow.trainer.logprobs import chunked_token_logprobs
 from reflow.trainer.offload import HostParking
 from reflow.trainer.parallelize import (
     apply_block_compile,
@@ -60,58 +59,6 @@ from reflow.trainer.parallelize import (
     apply_full_activation_checkpointing,
     refuse_eager_fallback,
 )
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(target) under softmax(logits / T). logits (..., V), targets (...) -> (...)
-
-    Computed as logit[target] - logsumexp(logits): one full-vocabulary fp32 copy, not three."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def _head_terms(
-    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, entropy: str
-) -> tuple[torch.Tensor, ...]:
-    """One chunk: (log-probs,) or, with ``entropy`` 'logged' / 'trained', (log-probs, entropy), both of the
-    same fp32 logits at the sampling temperature."""
-    logits = head(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logps = token_logprobs(logits, targets, 1.0)  # (the logits are fp32 and scaled already)
-    if entropy == "none":
-        return (logps,)
-    return logps, entropy_from_logits(logits if entropy == "trained" else logits.detach())
-
-
-def chunked_token_logprobs(
-    hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float, chunk_tokens: int,
-    entropy: str = "none",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``token_logprobs(head(hidden), targets, temperature)`` without the full-vocabulary tensor: the output
-    projection and the log-softmax run over ``chunk_tokens`` tokens at a time, and with gradients on each
-    chunk is checkpointed (its logits are recomputed in the backward pass instead of kept), so the peak is
-    one chunk's logits, ``chunk_tokens x vocab`` in the head's dtype plus its fp32 copy, whatever the
-    micro-batch. hidden (B, T, D), targets (B, T) -> (B, T). ``chunk_tokens`` <= 0: one chunk.
-
-    ``entropy`` 'logged' (detached) or 'trained' (with gradients, an entropy bonus): also each token's entropy
-    under the same softmax, (B, T), from the same chunk's logits (one more chunk x vocabulary fp32 copy)."""
-    batch, length = targets.shape
-    flat_hidden, flat_targets = hidden.reshape(batch * length, -1), targets.reshape(batch * length)
-    size = chunk_tokens if chunk_tokens > 0 else max(batch * length, 1)
-    keep_graph = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
-    chunks = []
-    for start in range(0, batch * length, size):
-        args = (flat_hidden[start:start + size], flat_targets[start:start + size], head, temperature, entropy)
-        chunks.append(checkpoint(_head_terms, *args, use_reentrant=False) if keep_graph else _head_terms(*args))
-    if chunks:
-        outputs = [torch.cat(column).reshape(batch, length) for column in zip(*chunks)]
-    else:
-        outputs = [flat_targets.new_zeros((batch, length), dtype=torch.float32) for _ in range(1 if entropy == "none" else 2)]
-    return outputs[0] if entropy == "none" else (outputs[0], outputs[1])
 
 
 @dataclass

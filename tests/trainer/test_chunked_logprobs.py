@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from reflow.trainer.policy import chunked_token_logprobs, token_logprobs
+from reflow.trainer.logprobs import chunked_token_logprobs, token_logprobs
 from tests.conftest import run_torchrun
 
 
