@@ -68,50 +68,21 @@ def export_checkpoint(argv: list[str]) -> dict:
 
 def _write_shards(checkpoint: str, meta_model, adapter, out: str, shard_bytes: int) -> list[str]:
     """Every parameter read alone from the checkpoint (DCP reads just its bytes), renamed for HF, in float32,
-    gathered into shards of at most ``shard_bytes``; returns the HF names written."""
+    streamed into shards of at most ``shard_bytes`` (``reflow.trainer.hf_shards``); returns the HF names written."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
 
-    os.makedirs(out, exist_ok=True)
-    for stale in [n for n in os.listdir(out) if n.startswith("model") and n.endswith((".safetensors", ".json"))]:
-        os.remove(os.path.join(out, stale))  # a previous export's shards would mix with these
-    shard: dict = {}
-    shard_size = total = 0
-    files: list[list[str]] = []  # the HF names of each shard written, in order
+    from reflow.trainer.hf_shards import ShardWriter
 
-    def flush() -> None:
-        nonlocal shard, shard_size
-        if shard:
-            save_file(shard, os.path.join(out, f"shard-{len(files):05d}.tmp"), metadata={"format": "pt"})
-            files.append(sorted(shard))
-        shard, shard_size = {}, 0
-
+    writer = ShardWriter(out, shard_bytes)
     for key, meta in meta_model.state_dict().items():
         if not meta.is_floating_point() or "rope" in key or "freqs" in key:
             continue  # derived buffers (the RoPE cache) are not in a checkpoint
         tensor = torch.empty(meta.shape, dtype=torch.float32)
         dcp.load({"trainer": {"model": {key: tensor}}}, checkpoint_id=checkpoint, no_dist=True)
         for hf_name, value in adapter.to_hf({key: tensor}).items():
-            nbytes = value.numel() * value.element_size()
-            if shard and shard_size + nbytes > shard_bytes:
-                flush()
-            shard[hf_name] = value.contiguous()
-            shard_size += nbytes
-            total += nbytes
-    flush()
-    if len(files) == 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
-    weight_map = {}
-    for k, (keys, name) in enumerate(zip(files, names)):
-        os.replace(os.path.join(out, f"shard-{k:05d}.tmp"), os.path.join(out, name))
-        weight_map.update(dict.fromkeys(keys, name))
-    if len(files) > 1:
-        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
-    return sorted(weight_map)
+            writer.add(hf_name, value.numel() * value.element_size(), lambda value=value: value)
+    return writer.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             record_stop(cfg, mode.stopped_by, mode.step, cfg.checkpoint.enable)
     if code == 0 and mode.stopped_by in (None, "time budget") and cfg.checkpoint.export_hf and parts.trainer is not None and parts.trainer.active:
         out = os.path.join(cfg.job.dump_folder, "hf_final")
-        parts.trainer.export_hf(out, write=parts.rank == 0)
+        parts.trainer.export_hf(out)
         parts.logger.info(f"exported the policy in Hugging Face format to {out}")
     parts.logger.close()
     dist.barrier()

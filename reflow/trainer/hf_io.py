@@ -13,8 +13,11 @@ import os
 import shutil
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
+
+from reflow.trainer.hf_shards import ShardWriter
 
 HF_SIDE_FILES = (
     "config.json",
@@ -115,23 +118,31 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def export_hf(model: torch.nn.Module, adapter, out_dir: str, source_dir: str, write: bool) -> None:
-    """Write the policy as a HF folder. Every trainer rank calls (gathers); only ``write`` ranks write."""
-    from safetensors.torch import save_file
-
-    hf = {}
-    for k, v in model.state_dict().items():
-        full = full_tensor(v)  # collective: every trainer rank gathers, one tensor at a time
-        if write:
-            hf.update(adapter.to_hf({k: full.detach().to("cpu", torch.float32).contiguous()}))
+def export_hf(model: torch.nn.Module, adapter, out_dir: str, source_dir: str, group=None,
+              shard_bytes: int = 5 * 2**30) -> None:
+    """Write the policy as a HF folder of float32 safetensors shards. Every trainer rank of ``group`` calls: each
+    tensor is gathered on the mesh, one at a time, and shard k is written by the k-th rank of the group modulo
+    its size (``reflow.trainer.hf_shards``), so no rank holds more than one shard on the host (never the whole
+    float32 model on one rank: 131 GB for 32B). The tokenizer and config files come from ``source_dir``."""
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    writer = ShardWriter(out_dir, shard_bytes, writer=rank, writers=size)
+    count = 0
+    for key, value in model.state_dict().items():
+        if not value.is_floating_point() or "rope" in key or "freqs" in key:
+            continue  # derived buffers
+        full = full_tensor(value)  # collective: every trainer rank gathers, one tensor at a time
+        for hf_name, hf_value in adapter.to_hf({key: full.detach()}).items():
+            writer.add(hf_name, hf_value.numel() * 4, lambda hf_value=hf_value: hf_value.to("cpu", torch.float32))
+            count += 1
         del full
-    if not write:
-        return
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf.items()}, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    for name in HF_SIDE_FILES:
-        src = os.path.join(source_dir, name)
-        if os.path.exists(src):
-            shutil.copy(src, os.path.join(out_dir, name))
-    with open(os.path.join(out_dir, "reflow_export.json"), "w") as f:
-        json.dump({"source": os.path.abspath(source_dir), "num_tensors": len(hf)}, f)
+    writer.close()
+    if rank == 0:
+        for name in HF_SIDE_FILES:
+            src = os.path.join(source_dir, name)
+            if os.path.exists(src):
+                shutil.copy(src, os.path.join(out_dir, name))
+        with open(os.path.join(out_dir, "reflow_export.json"), "w") as f:
+            json.dump({"source": os.path.abspath(source_dir), "num_tensors": count}, f)
+    if dist.is_initialized():
+        dist.barrier(group=group)  # every writer's shards are in place before anyone reads the folder

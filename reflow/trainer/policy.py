@@ -570,9 +570,11 @@ class PolicyTrainer:
 
     # ---- weights out ---------------------------------------------------------
 
-    def export_hf(self, out_dir: str, write: bool) -> None:
+    def export_hf(self, out_dir: str) -> None:
+        """The policy as a HF folder (``reflow.trainer.hf_io.export_hf``): every rank of the placement calls, and
+        the shards are written by the ranks in turn."""
         self.unpark()
-        export_hf(self.model, self.adapter, out_dir, self.hf_dir, write)
+        export_hf(self.model, self.adapter, out_dir, self.hf_dir, group=self.group)
 
     # ---- Stateful (distributed checkpoint) -------------------------------------
 
