@@ -9,7 +9,7 @@ NPROC  ?= 2
 CONFIG ?= train_configs/tiny.toml
 STAMP  := $(VENV)/.reflow-installed
 
-.PHONY: install sandbox-tools train test bench clean-venv
+.PHONY: install sandbox-tools train test bench test-torch-gpu-version clean-venv
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,18 @@ test: $(STAMP) sandbox-tools
 
 bench: $(STAMP)
 	$(PY) -m reflow.bench $(or $(BENCH),modes) $(ARGS)
+
+# The trainer-side tests against the torch of the GPU extra (2.14, PyPI's CUDA build: it runs on a CPU), in a venv of
+# their own without vLLM (the GPU build of vLLM does not run here): tests that need neither vLLM nor a GPU.
+TORCH_GPU_VERSION ?= 2.14.0
+VENV_GPU_TORCH ?= .venv-torch$(subst .,,$(TORCH_GPU_VERSION))
+TRAINER_TESTS ?= tests/trainer tests/model tests/algorithms tests/test_memory_plan.py tests/distributed/test_placement.py
+test-torch-gpu-version:
+	test -x $(VENV_GPU_TORCH)/bin/python || $(PYTHON) -m venv $(VENV_GPU_TORCH)
+	$(VENV_GPU_TORCH)/bin/python -m pip install -q "torch==$(TORCH_GPU_VERSION)" torchtitan==0.3.0 tomli tensorboard safetensors \
+	  tokenizers transformers numpy pillow pyarrow pytest hypothesis
+	$(VENV_GPU_TORCH)/bin/python -m pip install -q --no-deps -e .
+	$(VENV_GPU_TORCH)/bin/python -m pytest -q $(TRAINER_TESTS) $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
