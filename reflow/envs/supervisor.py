@@ -9,7 +9,9 @@ Who waits for whom, in the kernel boundary (``reflow.envs.isolation``):
                namespace, such as a reaper of bwrap's, that the program could take over through /proc/1/mem
                and that would not carry the launcher's resource limits).
   2. handshake the parent opens a process descriptor on the init and on bwrap, moves both into the run's
-               cgroup if there is one, and writes one byte on the block pipe. bwrap mounts, loads the
+               cgroup if there is one, hands both descriptors to the worker's guardian and waits for it to
+               confirm (``reflow.envs.guardian``: the run dies with the worker, whatever the program does to
+               its own parent-death signal), and writes one byte on the block pipe. bwrap mounts, loads the
                seccomp filter and executes the launcher, which sets the limits and runs the program. A
                handshake that fails kills bwrap before the block pipe closes (a closed pipe would let it go on).
   3. supervise the parent reads stdout and stderr (non-blocking, through one selector, with bwrap's process
@@ -34,6 +36,7 @@ process group: steps 2 and 4's init and cgroup do not exist, and teardown kills 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -47,6 +50,7 @@ import time
 from dataclasses import dataclass
 
 from reflow.envs.cgroups import CgroupLayout, RunCgroup
+from reflow.envs.guardian import Guardian
 from reflow.envs.isolation import LAUNCHER_SOURCE, BwrapDescriptors, KernelBoundary, Mounts
 
 logger = logging.getLogger("reflow")
@@ -58,14 +62,21 @@ DRAIN_S = 1.0
 ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
+F_ADD_SEALS = 1033
+SEALED = 0x0001 | 0x0002 | 0x0004 | 0x0008
+"""F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE: the file's bytes can never change again."""
+
+
 def memory_file(name: str, data: bytes) -> int:
-    """A descriptor on an anonymous in-memory file holding ``data``, at offset 0 (the parent's own)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    """A descriptor on an anonymous in-memory file holding ``data``, at offset 0 (the parent's own), sealed:
+    a read-write reopen through ``/proc/self/fd`` (which the file's mode would allow) still cannot write it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
         os.lseek(fd, 0, os.SEEK_SET)
+        fcntl.fcntl(fd, F_ADD_SEALS, SEALED)
     except BaseException:
         os.close(fd)
         raise
@@ -122,6 +133,9 @@ class RunProcess:
         self.reaped = False
         self.cgroup: RunCgroup | None = None
         self.workdir: str | None = None
+        self.guardian: Guardian | None = None
+        """The worker's guardian, holding this run's descriptors (None until it confirmed)."""
+        self.run_id = os.urandom(16)
 
     def _keep(self, fd: int) -> int:
         self.fds.append(fd)
@@ -171,7 +185,14 @@ class RunProcess:
         if self.cgroup is not None:
             self.cgroup.attach(self.process.pid)
             self.cgroup.attach(init_pid)
+        self._guard([self.init_fd, self.outer_fd])
         os.write(block_write, b"x")
+
+    def _guard(self, fds: list[int]) -> None:
+        """The worker's guardian holds the run's descriptors before its program starts."""
+        guardian = Guardian.get()
+        guardian.watch(self.run_id, fds)
+        self.guardian = guardian
 
     @classmethod
     def start_unisolated(cls, python: str, code: str, stdin: str, launcher_args: list[str]) -> "RunProcess":
@@ -183,6 +204,7 @@ class RunProcess:
                 f.write(code)
             env = ENVIRONMENT | {"HOME": run.workdir, "TMPDIR": run.workdir}
             run._spawn([python, "-I", LAUNCHER_SOURCE, *launcher_args], env, run.workdir, stdin_fd, (), {})
+            run._guard([run.outer_fd])
         except BaseException:
             run.end()
             raise
@@ -310,6 +332,9 @@ class RunProcess:
         self._release()
 
     def _release(self) -> None:
+        if self.guardian is not None:
+            self.guardian.forget(self.run_id)
+            self.guardian = None
         if self.cgroup is not None:
             self.cgroup.remove()
             self.cgroup = None
