@@ -12,7 +12,14 @@ are moved in while bwrap waits on ``--block-fd``, before the program is forked):
   pids     ``processes`` for the whole run (a fork bomb stops there, whatever user the processes run as)
 
 Removal (after the run's processes are gone) never raises and never blocks: a cgroup still busy is removed
-later by a background thread.
+later by a background thread. Before the removal a v1 memory cgroup is emptied (``memory.force_empty``): the
+page cache a run's reads charged to it would otherwise keep it alive as a "dying" cgroup after ``rmdir``.
+
+A worker that died (SIGKILL) leaves its folder behind: the next worker's start-up sweeps such folders, first
+killing any process still in their run cgroups (``cgroup.kill`` on v2; on v1 each member through a process
+descriptor, its membership checked again after the descriptor is opened, so a recycled pid is never hit), then
+removing them. The worker's guardian (``reflow.envs.guardian``) ends its runs when it dies; the sweep is the
+second line.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -118,8 +126,63 @@ def _sweep(folder: str) -> None:
         except OSError:
             continue
         for run in runs:
-            _remove_folder(os.path.join(stale, run))
+            _kill_members(os.path.join(stale, run))
+        for run in runs:
+            _empty_and_remove(os.path.join(stale, run), 1.0)
         _remove_folder(stale)
+
+
+def _kill_members(folder: str) -> None:
+    """SIGKILL every process in the cgroup ``folder`` (a dead worker's run: the guardian missed it)."""
+    kill_file = os.path.join(folder, "cgroup.kill")
+    if os.path.exists(kill_file):  # v2: the kernel kills the whole cgroup, new forks included
+        try:
+            _write(kill_file, "1")
+        except OSError:
+            pass
+        return
+    for _ in range(100):  # v1: a member may fork while it is being killed; pids.max bounds how often
+        try:
+            with open(os.path.join(folder, "cgroup.procs")) as f:
+                pids = [int(line) for line in f if line.strip()]
+        except (OSError, ValueError):
+            return
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue  # exited
+            try:
+                if _in_cgroup(pid, folder):  # still the member listed, not a recycled pid elsewhere
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        time.sleep(0.01)
+
+
+def _in_cgroup(pid: int, folder: str) -> bool:
+    """Whether ``pid`` is in the cgroup ``folder`` (its path relative to the hierarchy's mount)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            paths = [line.rstrip("\n").split(":", 2)[2] for line in f]
+    except OSError:
+        return False
+    return any(path != "/" and folder.endswith(path) for path in paths)
+
+
+def _empty_and_remove(folder: str, seconds: float) -> bool:
+    """Release the page cache a v1 memory cgroup holds, then remove it (waiting up to ``seconds``)."""
+    force_empty = os.path.join(folder, "memory.force_empty")
+    if os.path.exists(force_empty):
+        try:
+            _write(force_empty, "0")
+        except OSError:
+            pass  # busy still, or not allowed: rmdir leaves it dying, not leaked
+    return not _remove_within([folder], seconds)
 
 
 def _detect() -> "CgroupLayout | None":
@@ -245,7 +308,7 @@ class RunCgroup:
     def remove(self, wait_s: float = 0.5) -> None:
         """Remove the cgroup(s), waiting up to ``wait_s`` for the run's last processes to be released (they are
         dead: the teardown waited for the sandbox's init); ones still busy go to a background thread."""
-        left = _remove_within(list(self.dirs), wait_s)
+        left = [folder for folder in self.dirs if not _empty_and_remove(folder, wait_s)]
         if left:
             with _pending_lock:
                 _pending.extend(left)
