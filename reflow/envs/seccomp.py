@@ -74,6 +74,10 @@ CLONE_NAMESPACE_FLAGS = (
 AF_UNIX = 1
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
+SOL_SOCKET = 1
+SOCKET_BUFFER_OPTIONS = (7, 8, 32, 33)
+"""SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE: a socket keeps the kernel's default buffer sizes, so the
+unread bytes a run can leave in socket buffers are at most processes x open files x net.core.wmem_default."""
 
 X86_64_DENIED: dict[str, int] = {
     # namespaces and mounts
@@ -97,6 +101,9 @@ X86_64_DENIED: dict[str, int] = {
     "personality": 135, "iopl": 172, "ioperm": 173, "vhangup": 153, "uselib": 134, "lsm_set_self_attr": 460,
     # counters of the host user, shared by every run (and by the rollout worker when it is not root)
     "inotify_init": 253, "inotify_init1": 294,
+    # host-wide pools no namespace or limit counts: Linux AIO contexts (one fs.aio-max-nr for the machine), and
+    # System V semaphores (kernel memory outside every per-process bound; shared memory and queues are above)
+    "io_setup": 206, "semget": 64, "semop": 65, "semctl": 66, "semtimedop": 220,
 }
 """System calls refused with EPERM whatever their arguments."""
 
@@ -107,7 +114,7 @@ X86_64_XATTR: dict[str, int] = {
 }
 """Extended attributes: refused with EOPNOTSUPP."""
 
-X86_64_ARGUMENT_RULES = {"clone": 56, "clone3": 435, "prlimit64": 302, "socket": 41, "ioctl": 16}
+X86_64_ARGUMENT_RULES = {"clone": 56, "clone3": 435, "prlimit64": 302, "socket": 41, "ioctl": 16, "setsockopt": 54}
 
 AARCH64_DENIED: dict[str, int] = {
     # namespaces and mounts
@@ -131,6 +138,8 @@ AARCH64_DENIED: dict[str, int] = {
     "personality": 92, "vhangup": 58, "lsm_set_self_attr": 460,
     # counters of the host user
     "inotify_init1": 26,
+    # host-wide pools: AIO contexts, System V semaphores
+    "io_setup": 0, "semget": 190, "semctl": 191, "semtimedop": 192, "semop": 193,
 }
 """aarch64's ``X86_64_DENIED`` (the generic table: no mknod, inotify_init, iopl, ioperm or uselib)."""
 
@@ -140,7 +149,7 @@ AARCH64_XATTR: dict[str, int] = {
     "fremovexattr": 16, "setxattrat": 463, "getxattrat": 464, "listxattrat": 465, "removexattrat": 466,
 }
 
-AARCH64_ARGUMENT_RULES = {"clone": 220, "clone3": 435, "prlimit64": 261, "socket": 198, "ioctl": 29}
+AARCH64_ARGUMENT_RULES = {"clone": 220, "clone3": 435, "prlimit64": 261, "socket": 198, "ioctl": 29, "setsockopt": 208}
 
 
 @dataclass(frozen=True)
@@ -202,6 +211,13 @@ def _instructions(table: SyscallTable) -> list[tuple[int, int, int, int]]:
     program += [  # socket(domain, ...): AF_UNIX only (the network namespace has no route out either)
         _op(JEQ_K, rules["socket"], jf=3), _op(LD_W_ABS, _arg_low(0)), _op(JEQ_K, AF_UNIX, jt=1),
         _op(RET_K, eperm), load_nr,
+    ]
+    program += [  # setsockopt(fd, level, name, ...): no larger socket buffers (level and name are ints)
+        _op(JEQ_K, rules["setsockopt"], jf=9), _op(LD_W_ABS, _arg_low(1)), _op(JEQ_K, SOL_SOCKET, jf=5),
+        _op(LD_W_ABS, _arg_low(2)),
+        *[_op(JEQ_K, option, jt=len(SOCKET_BUFFER_OPTIONS) - k) for k, option in enumerate(SOCKET_BUFFER_OPTIONS)],
+        _op(RET_K, RET_ALLOW),  # another option: allowed (setsockopt is the last rule before ioctl's)
+        _op(RET_K, eperm),
     ]
     program += [  # ioctl(fd, request, ...): no terminal input injection (request is a 32-bit unsigned int)
         _op(JEQ_K, rules["ioctl"], jf=4), _op(LD_W_ABS, _arg_low(1)), _op(JEQ_K, TIOCSTI, jt=1),

@@ -65,8 +65,14 @@ def test_every_call_of_the_table_gets_its_verdict(machine):
     assert verdict("socket", seccomp.AF_UNIX) == ALLOW and verdict("socket", 2) == EPERM and verdict("socket", 10) == EPERM
     assert verdict("ioctl", 1, seccomp.TIOCSTI) == EPERM and verdict("ioctl", 1, seccomp.TIOCLINUX) == EPERM
     assert verdict("ioctl", 1, 0x5401) == ALLOW  # TCGETS: isatty() must keep working
+    # setsockopt: socket buffers keep the kernel's default size; every other option is allowed
+    for option in seccomp.SOCKET_BUFFER_OPTIONS:
+        assert verdict("setsockopt", 3, seccomp.SOL_SOCKET, option) == EPERM, option
+    assert verdict("setsockopt", 3, seccomp.SOL_SOCKET, 2) == ALLOW  # SO_REUSEADDR
+    assert verdict("setsockopt", 3, 6, 7) == ALLOW  # level IPPROTO_TCP, option 7: not SO_SNDBUF's level
     # the argument rules read the argument they name, not another one
     assert verdict("socket", seccomp.AF_UNIX, 2) == ALLOW and verdict("ioctl", seccomp.TIOCSTI, 0x5401) == ALLOW
+    assert verdict("setsockopt", seccomp.SOL_SOCKET, 7, 2) == ALLOW
 
 
 @pytest.mark.parametrize("machine", sorted(seccomp.TABLES))
