@@ -421,6 +421,11 @@ class TaskSection:
     sandbox_python: str = ""
     """Sandboxed code: the interpreter that runs it ("": this Python's base interpreter when the unprivileged
     sandbox user can read it, else /usr/bin/python3). Only its standard library is visible to the code."""
+    sandbox_allow_without_cgroup: bool = False
+    """Sandboxed code where this process can make no per-run cgroup: run it with per-process bounds only (each
+    process's address space, file size and open files, the run's process count), which leave a run's kernel
+    memory unbounded (tmpfs inodes, pipe and socket buffers). False: such a run refuses to start, saying how to
+    get a cgroup (``reflow.envs.sandbox.NO_CGROUP``)."""
     sandbox_allow_unisolated: bool = False
     """Sandboxed code: where bubblewrap or user namespaces are missing, run model-written code anyway, with
     resource limits and an audit hook only (unsafe: hostile code gets past both; logged as a warning). False:

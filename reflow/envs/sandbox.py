@@ -47,6 +47,20 @@ from reflow.envs.supervisor import RunProcess
 
 logger = logging.getLogger("reflow")
 
+class NoCgroup(SandboxUnavailable):
+    """The kernel boundary holds, but no per-run cgroup can be made here."""
+
+
+NO_CGROUP = (
+    "this process can make no per-run cgroup (a writable cgroup v1 memory and pids hierarchy, or a delegated "
+    "cgroup v2 subtree with both controllers: run the worker as root, or under systemd-run --user --scope -p "
+    "Delegate=yes, or Slurm with cgroup delegation). Without one a run's kernel memory has no bound: tmpfs "
+    "inodes (the size bound counts bytes), unread pipe and socket buffers, page tables; only each process's "
+    "address space, file size, open files and the run's process count are bounded. "
+    "task.sandbox_allow_without_cgroup = true runs model code with those bounds only"
+)
+"""Why a run needs a cgroup by default (``task.sandbox_allow_without_cgroup`` opts out)."""
+
 EXIT_MEMORY = 247
 """The launcher's exit code for a MemoryError the code did not catch (``sandbox_child``)."""
 
@@ -85,6 +99,10 @@ class SandboxLimits:
             "RLIMIT_CORE": (0, 0), "RLIMIT_CPU": (cpu_s, cpu_s),
             "RLIMIT_AS": (self.memory_mb << 20,) * 2, "RLIMIT_FSIZE": (self.file_size_mb << 20,) * 2,
             "RLIMIT_NOFILE": (self.open_files,) * 2, "RLIMIT_NPROC": (self.processes,) * 2, "RLIMIT_MSGQUEUE": (0, 0),
+            # every other limit a worker may pass on, pinned: no real-time priority or time, no lower nice value,
+            # 64 KiB of locked memory (the kernel's default), 64 queued signals (each is kernel memory)
+            "RLIMIT_RTPRIO": (0, 0), "RLIMIT_RTTIME": (0, 0), "RLIMIT_NICE": (0, 0),
+            "RLIMIT_MEMLOCK": (64 << 10,) * 2, "RLIMIT_SIGPENDING": (64, 64),
         }
 
 
@@ -125,11 +143,14 @@ class Sandbox:
     def __init__(
         self, limits: SandboxLimits | None = None, allow_unisolated: bool = False, python: str = "",
         boundary: KernelBoundary | None = None, audit_hook: bool = True, kernel: bool = True,
+        allow_without_cgroup: bool = False, cgroups: bool = True,
     ):
         """``python``: the interpreter to run the code with ("": chosen by ``isolation.choose_interpreter``);
         ``boundary``: a checked one (else ``KernelBoundary.for_host``); ``audit_hook``: the third layer;
         ``kernel=False`` (with ``allow_unisolated``): no kernel boundary even where the host has one (the
-        benchmark's comparison)."""
+        benchmark's comparison); ``allow_without_cgroup`` (``task.sandbox_allow_without_cgroup``): run where no
+        per-run cgroup can be made, with the per-process bounds only (``NO_CGROUP``); ``cgroups=False``: make
+        none even where the host allows it (the battery's second pass)."""
         self.limits = limits or SandboxLimits()
         self.audit_hook = audit_hook
         self.boundary = boundary
@@ -146,8 +167,10 @@ class Sandbox:
                     raise
                 _warn_unisolated(str(error))
         self.python = self.boundary.interpreter.executable if self.boundary is not None else (python or sys.executable)
-        self.cgroups = detect() if self.boundary is not None else None
+        self.cgroups = detect() if self.boundary is not None and cgroups else None
         """Where per-run cgroups are made (``reflow.envs.cgroups``), or None: the bounds are per process."""
+        if self.boundary is not None and self.cgroups is None and not allow_without_cgroup:
+            raise NoCgroup(NO_CGROUP)
 
     @property
     def isolation(self) -> list[str]:

@@ -5,11 +5,11 @@ Standard library only. In the kernel boundary it is copied in read-only and runs
 user under the seccomp filter already; it is not trusted for anything after the code starts, since the code
 runs in this same interpreter. Before the code runs, in this order:
 
-  1. resource limits (``SandboxLimits.rlimits``: the parent set them on the sandbox's init already, so this
-     repeats them for the path without the boundary), which an unprivileged process cannot raise again: CPU
+  1. the default scheduling policy and a nice value of at least 0 (a worker's real-time policy is inherited),
+     then resource limits (``SandboxLimits.rlimits``), which an unprivileged process cannot raise again: CPU
      seconds (the kernel's SIGKILL at the limit), address space, file size (a write past it fails with
      EFBIG), open files, processes (counted in the run's own user namespace), POSIX message queues (none),
-     no core dumps
+     no core dumps, no real-time priority or time, no lower nice value, 64 KiB locked, 64 queued signals
   2. (``audit_hook``) an audit hook, the third layer, which words refusals for the model: no network, no
      other programs, no ctypes, no signals to other processes, no files outside the working directory, /tmp
      and the installation (for reading). The kernel layers hold without it.
@@ -83,9 +83,24 @@ def _install_guard(workdir: str) -> None:
     sys.addaudithook(guard)
 
 
+def _ordinary_scheduling() -> None:
+    """The default scheduling policy and a nice value of at least 0: a worker's real-time policy or raised
+    priority is inherited across fork and exec, and lowering either is always allowed."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) < 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        pass
+
+
 def main() -> None:
     limits = json.loads(sys.argv[1])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the file-size limit fails with EFBIG instead
+    _ordinary_scheduling()
     for name, (soft, hard) in limits["rlimits"].items():  # ``SandboxLimits.rlimits``
         resource.setrlimit(getattr(resource, name), (soft, hard))
     with open("main.py", encoding="utf-8") as f:

@@ -15,11 +15,14 @@ def _sandbox(section: "TaskSection"):
     """The task's sandbox, fail-closed: without the kernel boundary (and no opt-out) one line says what is
     missing, before any rank starts (``reflow.train --check`` builds the task)."""
     from reflow.envs.isolation import OPT_OUT
-    from reflow.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+    from reflow.envs.sandbox import NoCgroup, Sandbox, SandboxLimits, SandboxUnavailable
 
     limits = SandboxLimits(wall_s=section.sandbox_wall_s, cpu_s=section.sandbox_cpu_s, memory_mb=section.sandbox_memory_mb)
     try:
-        return Sandbox(limits, allow_unisolated=section.sandbox_allow_unisolated, python=section.sandbox_python)
+        return Sandbox(limits, allow_unisolated=section.sandbox_allow_unisolated, python=section.sandbox_python,
+                       allow_without_cgroup=section.sandbox_allow_without_cgroup)
+    except NoCgroup as error:
+        raise NoCgroup(f"task.name = {section.name!r} runs model-written code in a sandbox: {error}") from None
     except SandboxUnavailable as error:
         raise SandboxUnavailable(f"task.name = {section.name!r} runs model-written code in a sandbox: {error} ({OPT_OUT})") from None
 

@@ -23,6 +23,7 @@ import dataclasses
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -61,6 +62,13 @@ class Host:
             with open(path, "w") as f:
                 f.write(text)
             os.chmod(path, mode)
+        self.identity = []
+        """The host's boot id and kernel command line: no reply may hold them."""
+        for path in ("/proc/sys/kernel/random/boot_id", "/proc/cmdline"):
+            with open(path) as f:
+                text = f.read().strip()
+            if len(text) >= 16:
+                self.identity.append(text)
         self.env_secret = f"ENVSECRET-{uuid.uuid4().hex}"
         os.environ["REFLOW_BATTERY_SECRET"] = self.env_secret
         self.connections: list[str] = []
@@ -309,6 +317,31 @@ ATTACKS = [
      "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\x00<|im_end|><|eos|>\\n' * 100)"),
     ("reader", "ignore SIGXCPU and spin", "RLIMIT_CPU's hard limit (SIGKILL)",
      "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"),
+    # host-wide kernel pools no namespace counts
+    ("pool", "every Linux AIO context of the machine", "seccomp (io_setup)",
+     "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nctx = ctypes.c_ulong(0)\n"
+     "print([libc.syscall(206, 65536, ctypes.byref(ctx)) for _ in range(3)], 'errno', ctypes.get_errno())"),
+    ("pool", "System V semaphore sets", "seccomp (semget)",
+     "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+     "print([libc.semget(0, 32000, 0o1600) for _ in range(3)], 'errno', ctypes.get_errno())"),
+    # kernel memory outside the address space
+    ("kernel memory", "unread socket buffers, enlarged", "seccomp (SO_SNDBUF and SO_RCVBUF keep their defaults)",
+     "import socket\na, b = socket.socketpair()\na.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 30)"),
+    ("kernel memory", "empty files by the hundred thousand in /tmp (inodes, not bytes)",
+     "the run's cgroup (inodes and dentries are charged to it), and the deadline",
+     "import os\nfor k in range(10 ** 7):\n    os.close(os.open(f'/tmp/{{k}}', os.O_CREAT | os.O_WRONLY))"),
+    # the host's details and the run's own input
+    ("host details", "stdin reopened read-write", "a sealed memory file",
+     "f = open('/proc/self/fd/0', 'r+')\nf.write('escaped')\nf.flush()"),
+    ("host details", "the host's boot id, command line and kernel config", "masked /proc files (read as empty)",
+     "for path in ('/proc/sys/kernel/random/boot_id', '/proc/cmdline', '/proc/config.gz'):\n"
+     "    try:\n        print(path, repr(open(path, 'rb').read(200)))\n    except OSError as e:\n        print(path, e)"),
+    # priority over the host's processes
+    ("priority", "real-time scheduling", "RLIMIT_RTPRIO pinned at 0",
+     "import os\nos.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"),
+    ("priority", "a lower nice value, and raised limits", "RLIMIT_NICE pinned at 0, hard limits",
+     "import os, resource\ntry:\n    os.setpriority(os.PRIO_PROCESS, 0, -5)\nexcept OSError as e:\n    print(e)\n"
+     "resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 30, 1 << 30))"),
 ]
 CATEGORIES = sorted({category for category, *_ in ATTACKS})
 EXPECTED = {
@@ -327,6 +360,12 @@ EXPECTED = {
     "fill /dev/shm": "No space left on device",
     "the host's abstract UNIX socket": "Connection refused",
     "the host's UNIX socket by path": "No such file or directory",
+    "every Linux AIO context of the machine": "[-1, -1, -1] errno 1",
+    "System V semaphore sets": "[-1, -1, -1] errno 1",
+    "unread socket buffers, enlarged": "Operation not permitted",
+    "stdin reopened read-write": "Operation not permitted",
+    "real-time scheduling": "Operation not permitted",
+    "a lower nice value, and raised limits": "Permission denied",
 }
 """What the reply must say with the audit hook off: the named layer's own refusal (seccomp's EPERM, a full
 tmpfs, a namespace where the target does not exist), so that an attack cannot pass for another reason."""
@@ -340,11 +379,23 @@ def host():
     state.close()
 
 
-@pytest.fixture(scope="module", params=["kernel layers only", "as a task builds it"])
+@pytest.fixture(scope="module", params=["kernel layers only", "as a task builds it", "kernel layers, no cgroup"])
 def interpreter(request):
+    """The battery's three passes: the kernel layers alone (with the run's cgroup where the host allows one), as
+    a task builds it (the audit hook on), and the kernel layers on a host without cgroups (the per-process
+    bounds only, which a task accepts with ``task.sandbox_allow_without_cgroup``)."""
     boundary = require_kernel_sandbox()
-    sandbox = Sandbox(LIMITS, boundary=boundary, audit_hook=request.param != "kernel layers only")
+    if request.param == "kernel layers, no cgroup":
+        sandbox = Sandbox(LIMITS, boundary=boundary, audit_hook=False, cgroups=False, allow_without_cgroup=True)
+    else:
+        sandbox = Sandbox(LIMITS, boundary=boundary, audit_hook=request.param != "kernel layers only")
     return PythonInterpreter(sandbox, shown_chars=4096)
+
+
+def _aio_contexts() -> int:
+    """The machine's AIO contexts in use (one counter for the whole host)."""
+    with open("/proc/sys/fs/aio-nr") as f:
+        return int(f.read())
 
 
 def test_every_category_has_two_techniques():
@@ -363,6 +414,7 @@ def test_attack_is_contained(host, interpreter, attack):
     if layer.startswith("the run's cgroup") and interpreter.sandbox.cgroups is None:
         pytest.skip("this host lets this process make no cgroup: a run's memory is bounded per process only")
     problem = Problem(uid="battery", prompt="", answer="")
+    aio_before = _aio_contexts()
     with MemoryWatch() as memory:
         t0 = time.perf_counter()
         reply = interpreter.respond(problem, f"let me try\n<code>\n{code}\n</code>")
@@ -376,6 +428,9 @@ def test_attack_is_contained(host, interpreter, attack):
     # processes of a loaded machine)
     assert memory.before - memory.lowest < MEMORY_BOUND + GIB, f"host memory fell by {(memory.before - memory.lowest) >> 20} MiB"
     host.check(reply)
+    assert _aio_contexts() <= aio_before or category != "pool", "the run took host AIO contexts"
+    for identity in host.identity:
+        assert identity not in reply, "a host identity file came back"
     if category == "reader":
         assert len(reply) < 4096 + 200
     assert interpreter.sandbox.run("print('still here')").stdout == "still here\n"
@@ -401,6 +456,33 @@ def test_a_run_dies_with_its_parent(host, tmp_path):
     assert marked(), "the sandbox never started"
     parent.kill()
     parent.wait()
+    host.check("")
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_run_that_cleared_its_parent_death_signal_still_dies_with_the_worker(host, tmp_path, how):
+    """The program is the namespace's init and clears the parent-death signal bwrap gave it (an ordinary prctl),
+    forks, and waits; the worker is then killed (SIGKILL, or SIGTERM as torchrun sends on a failure). Nothing of
+    the run may be left on the host: the run's guardian (``reflow.envs.guardian``) ends it."""
+    script = tmp_path / "worker.py"
+    program = (
+        "import ctypes, os, sys, time\nctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none\n"
+        "if os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-c', "
+        f"'import time; time.sleep(120)  # {host.mark}'])\ntime.sleep(120)"
+    )
+    script.write_text(
+        "from reflow.envs.sandbox import Sandbox, SandboxLimits\n"
+        f"Sandbox(SandboxLimits(wall_s=120, cpu_s=60), audit_hook=False).run({program!r})\n"
+    )
+    worker = subprocess.Popen([sys.executable, str(script)], cwd=os.getcwd())
+    marked = lambda: [p for p in host.run_processes() if host.mark in p]  # noqa: E731
+    deadline = time.time() + 60
+    while not marked() and time.time() < deadline:
+        time.sleep(0.05)
+    assert marked(), "the sandbox never started"
+    time.sleep(0.5)  # the program has cleared its parent-death signal by now (before it forked the marked child)
+    worker.send_signal(getattr(signal, how))
+    worker.wait(timeout=30)
     host.check("")
 
 
@@ -580,3 +662,29 @@ def test_concurrent_runs_leave_nothing_behind(host):
 
 def _cgroup_files(folder: str) -> list[str]:
     return [name for name in os.listdir(folder) if not name.startswith("run-")]
+
+
+def test_the_next_worker_kills_what_a_dead_worker_left_in_its_run_cgroups():
+    """A worker killed with runs alive (its guardian killed too) leaves run cgroups with processes in them; the
+    next worker's start-up sweep kills those processes and removes the cgroups, rather than skipping a cgroup
+    because it is not empty."""
+    from reflow.envs import cgroups
+
+    layout = cgroups.detect()
+    if layout is None:
+        pytest.skip("this host lets this process make no cgroup")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid whose process is dead: the stale folder's owner
+    name = f"reflow-sandbox-{gone.pid}-{uuid.uuid4().hex[:8]}"
+    parents = sorted({os.path.dirname(layout.memory_parent), os.path.dirname(layout.pids_parent)})
+    runs = [os.path.join(parent, name, "run-left") for parent in parents]
+    for run in runs:
+        os.makedirs(run)
+    leftover = subprocess.Popen(["sleep", "300"])
+    for run in runs:
+        with open(os.path.join(run, "cgroup.procs"), "w") as f:
+            f.write(str(leftover.pid))
+    for parent in parents:
+        cgroups._sweep(parent)
+    assert leftover.wait(timeout=10) == -signal.SIGKILL
+    assert not any(os.path.exists(os.path.join(parent, name)) for parent in parents)
