@@ -25,9 +25,11 @@ second line.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -107,19 +109,65 @@ def detect() -> "CgroupLayout | None":
         return _detected
 
 
+OWNER_LOCKS = "/run/reflow-sandbox"
+"""Where each worker holds a lock for its cgroup folder while it lives (a temporary folder of its own user's
+where /run is not writable)."""
+_owner_lock: list[int] = []
+"""The descriptor holding this process's lock (kept open, and locked, for the process's life)."""
+
+
+def _locks_folder() -> str:
+    for folder in (OWNER_LOCKS, os.path.join(tempfile.gettempdir(), f"reflow-sandbox-{os.geteuid()}")):
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            if os.access(folder, os.W_OK) and os.stat(folder).st_uid == os.geteuid():
+                return folder
+        except OSError:
+            continue
+    raise OSError("no folder for the sandbox's owner locks")
+
+
+def _hold_owner_lock(name: str) -> None:
+    """Lock ``<locks>/<name>``: the folder ``name`` has a living owner while the lock is held. The folder's name
+    is random, so that no host pid shows in a run's ``/proc/self/cgroup``."""
+    fd = os.open(os.path.join(_locks_folder(), name), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _owner_lock.append(fd)
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether the process that made the folder ``name`` is gone: its lock can be taken (or never existed)."""
+    try:
+        path = os.path.join(_locks_folder(), name)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: its owner lives
+    finally:
+        os.close(fd)
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+    return True
+
+
 def _sweep(folder: str) -> None:
-    """Remove what processes that died without cleaning up (SIGKILL) left in ``folder``: their
-    ``reflow-sandbox-<pid>-*`` folders and the empty run cgroups in them."""
+    """Clear what processes that died without cleaning up (SIGKILL) left in ``folder``: their
+    ``reflow-sandbox-<random>`` folders (owner lock free) and the run cgroups in them, processes and all."""
     try:
         names = os.listdir(folder)
     except OSError:
         return
     for name in names:
         parts = name.split("-")
-        if len(parts) != 4 or parts[:2] != ["reflow", "sandbox"] or not parts[2].isdigit():
+        if len(parts) != 3 or parts[:2] != ["reflow", "sandbox"] or not _owner_gone(name):
             continue
-        if parts[2] != str(os.getpid()) and os.path.exists(f"/proc/{parts[2]}"):
-            continue  # its process lives
         stale = os.path.join(folder, name)
         try:
             runs = [entry for entry in os.listdir(stale) if entry.startswith("run-")]
@@ -190,7 +238,7 @@ def _detect() -> "CgroupLayout | None":
         mounts, own = _mounts(), _own_paths()
     except (OSError, ValueError):
         return None
-    name = f"reflow-sandbox-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    name = f"reflow-sandbox-{uuid.uuid4().hex[:12]}"
     v1 = {
         controller: (point, root) for point, root, fstype, options in mounts if fstype == "cgroup"
         for controller in ("memory", "pids") if controller in options
@@ -202,6 +250,7 @@ def _detect() -> "CgroupLayout | None":
         _sweep(os.path.dirname(pids))
 
         def separate_layout() -> CgroupLayout:
+            _hold_owner_lock(name)
             _make(memory)
             _make(pids)
             return CgroupLayout(1, memory, pids)
@@ -217,6 +266,8 @@ def _detect() -> "CgroupLayout | None":
         def unified_layout() -> CgroupLayout:
             # a v2 cgroup can give controllers to its children only if it holds no process itself: the folder
             # made here holds none, so it can, provided this process's cgroup gives it memory and pids
+            if not _owner_lock:
+                _hold_owner_lock(name)
             _make(parent)
             _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
             return CgroupLayout(2, parent, parent)
@@ -340,4 +391,10 @@ def _remove_pending(seconds: float) -> None:
 def _remove_everything() -> None:
     """At exit: the runs' cgroups still pending, then the folders made at detection."""
     _remove_pending(2.0)
+    made = list(_made)
     _remove_made()
+    if made and _owner_lock:  # the folder is gone: its lock file goes too
+        try:
+            os.remove(os.path.join(_locks_folder(), os.path.basename(made[0])))
+        except OSError:
+            pass

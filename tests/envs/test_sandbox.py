@@ -486,6 +486,15 @@ def test_a_run_that_cleared_its_parent_death_signal_still_dies_with_the_worker(h
     host.check("")
 
 
+def test_a_run_sees_no_host_pid_in_its_cgroup_path():
+    sandbox = Sandbox(LIMITS, boundary=require_kernel_sandbox(), audit_hook=False)
+    if sandbox.cgroups is None:
+        pytest.skip("this host lets this process make no cgroup")
+    paths = sandbox.run("print(open('/proc/self/cgroup').read())").stdout
+    tokens = {token for line in paths.splitlines() for part in line.split(":", 2)[-1].split("/") for token in part.split("-")}
+    assert "reflow" in tokens and str(os.getpid()) not in tokens, paths
+
+
 def test_ordinary_code_runs():
     sandbox = Sandbox(LIMITS, boundary=require_kernel_sandbox())
     result = sandbox.run("import math, json\nname = input()\nprint(json.dumps({'hi': name, 'r': math.isqrt(99)}))", stdin="ann\n")
@@ -673,9 +682,7 @@ def test_the_next_worker_kills_what_a_dead_worker_left_in_its_run_cgroups():
     layout = cgroups.detect()
     if layout is None:
         pytest.skip("this host lets this process make no cgroup")
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # a pid whose process is dead: the stale folder's owner
-    name = f"reflow-sandbox-{gone.pid}-{uuid.uuid4().hex[:8]}"
+    name = f"reflow-sandbox-{uuid.uuid4().hex[:12]}"  # no owner lock held: its worker is gone
     parents = sorted({os.path.dirname(layout.memory_parent), os.path.dirname(layout.pids_parent)})
     runs = [os.path.join(parent, name, "run-left") for parent in parents]
     for run in runs:
