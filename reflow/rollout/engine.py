@@ -54,6 +54,20 @@ def vllm_cache_root(env, rank: int) -> str:
     return os.path.join(base, f"rank{rank}")
 
 
+def padding_stops(tokenizer) -> list[int]:
+    """[the padding token's id] when the tokenizer has one that is not its EOS, else [].
+
+    A model may sample its padding token: the tiny model does in about 1 of 1,200 tokens (its output row is
+    trained, its embedding row never is: padded positions carry no loss, so that row stays exactly zero). Fed
+    back as an input, a zero embedding reaches the first RMSNorm as a zero vector, whose gradient is
+    1 / sqrt(eps), about 1000 times a normal one: the gradient-norm spike of every tiny run's second update
+    (620 on the default). Ending the sample there, as an EOS would, keeps the sampling distribution exact (the
+    trainer's log-probs need no mask) and never feeds the padding token back. Qwen3's padding token is an EOS
+    already (``<|endoftext|>``)."""
+    pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    return [pad] if pad is not None and pad != eos else []
+
+
 class _RopeReloadFilter(logging.Filter):
     """vLLM warns on every in-place reload that RotaryEmbedding loaded no weights: its cos/sin cache is
     derived, not a checkpoint tensor, and vLLM keeps it as is. Drop that one message."""
@@ -112,6 +126,8 @@ class RolloutEngine:
         self.signals: EngineSignals = self.signal_reader.read()
         """KV usage, request counts and preemptions after the latest step (``reflow.rollout.kv_signals``)."""
         self.block_size = self.signal_reader.block_size
+        self.stop_token_ids = padding_stops(self.llm.get_tokenizer())
+        """Token ids that end a sample besides the model's EOS: the padding token, where it is not an EOS."""
         self.cfg = cfg
         self.keeps_weight_backup = cfg.training.mode == "sync" and cfg.weight_sync.interval > 1
         """Does this engine sleep at level 1 again and again (sync mode with a sync every few steps), so that
@@ -146,6 +162,7 @@ class RolloutEngine:
             stop=list(req.stop) or None,
             include_stop_str_in_output=True,
             ignore_eos=req.ignore_eos,
+            stop_token_ids=self.stop_token_ids or None,
             output_kind=RequestOutputKind.DELTA,
         )
 

@@ -110,3 +110,19 @@ def test_each_rank_has_its_own_vllm_cache_root():
     assert env["VLLM_CACHE_ROOT"] == "/c/vllm/rank3"
     user = {"VLLM_CACHE_ROOT": "/fast/vllm"}
     assert vllm_cache_root(user, 0) == "/fast/vllm/rank0"
+
+
+def test_the_padding_token_ends_a_sample_where_it_is_not_an_eos():
+    """A sampled padding token fed back as an input reaches RMSNorm as the zero vector (its embedding row is
+    never trained): the tiny runs' gradient-norm spike (620 at the second update). It ends the sample instead."""
+    from types import SimpleNamespace
+
+    from reflow.rollout.engine import padding_stops
+    from reflow.rollout.tokenizer import PromptTokenizer
+    from tests.conftest import TINY_HF
+
+    assert padding_stops(SimpleNamespace(pad_token_id=0, eos_token_id=2)) == [0]
+    assert padding_stops(SimpleNamespace(pad_token_id=151643, eos_token_id=151643)) == []  # Qwen3's: an EOS already
+    assert padding_stops(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == []
+    tiny = PromptTokenizer(TINY_HF)
+    assert padding_stops(tiny.tok) == [tiny.pad_id]
