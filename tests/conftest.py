@@ -46,9 +46,10 @@ def root() -> str:
 def require_kernel_sandbox():
     """The code sandbox's kernel boundary on this host, or a skip that prints what is missing (bubblewrap, user
     namespaces): tests of tasks that run model code need it (``make test`` installs bubblewrap where it can)."""
-    from reflow.envs.isolation import KernelBoundary, SandboxUnavailable
+    from reflow.envs.isolation import SandboxUnavailable
+    from reflow.envs.sandbox import checked_boundary
 
     try:
-        return KernelBoundary.for_host()
+        return checked_boundary()
     except SandboxUnavailable as error:
         pytest.skip(f"kernel sandbox unavailable on this host: {error}")

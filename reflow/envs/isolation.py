@@ -26,8 +26,8 @@ run is root on the host, in any namespace, at any moment. bwrap gives it:
   network      only the namespace's own loopback: the host's (its 127.0.0.1 listeners, its abstract UNIX
                sockets) is another namespace's
 
-``KernelBoundary.for_host()`` finds bwrap and an interpreter the sandbox user can reach, and runs one probe
-sandbox; anything missing raises ``SandboxUnavailable``, one line saying what is missing and how to install
+``KernelBoundary.for_host()`` finds bwrap and an interpreter the sandbox user can reach, and
+``reflow.envs.sandbox.checked_boundary`` runs one probe sandbox in it; anything missing raises ``SandboxUnavailable``, one line saying what is missing and how to install
 it (``reflow.train --check`` prints it before torchrun starts any rank).
 """
 
@@ -201,9 +201,9 @@ class KernelBoundary:
             self.launcher = f.read()
 
     @classmethod
-    @functools.lru_cache(maxsize=4)
     def for_host(cls, python: str = "") -> "KernelBoundary":
-        """The boundary this host allows, checked by a probe run (once per process and interpreter)."""
+        """The boundary this host's tools allow (bwrap, the filter, an interpreter the sandbox user reaches), not
+        yet tried: ``reflow.envs.sandbox.checked_boundary`` runs the probe that proves it."""
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise SandboxUnavailable(f"bubblewrap (bwrap) not found on PATH: {INSTALL_HINT}")
@@ -214,9 +214,7 @@ class KernelBoundary:
         uid = host_user()
         if not reachable(bwrap, uid):
             raise SandboxUnavailable(f"{bwrap} is not executable by uid {uid}")
-        boundary = cls(bwrap, interpreter_view(choose_interpreter(python, uid)), uid, seccomp_filter)
-        boundary.probe()
-        return boundary
+        return cls(bwrap, interpreter_view(choose_interpreter(python, uid)), uid, seccomp_filter)
 
     def arguments(
         self, mounts: Mounts, fds: "BwrapDescriptors", launcher_args: list[str],
@@ -253,15 +251,3 @@ class KernelBoundary:
             "--", self.interpreter.executable, "-I", LAUNCHER_PATH, *launcher_args,
         ]
         return args
-
-    def probe(self) -> None:
-        """One run of ``print('ok')`` with no limits but the boundary's: fails with the reason and a hint."""
-        from reflow.envs.sandbox import Sandbox, SandboxLimits
-
-        result = Sandbox(SandboxLimits(wall_s=60.0, cpu_s=30.0), boundary=self, audit_hook=False,
-                         allow_without_cgroup=True, cgroups=False).run("print('ok')")
-        if result.status == "ok" and result.stdout == "ok\n":
-            return
-        said = (result.stderr.strip().splitlines() or [result.status])[-1]
-        hint = USERNS_HINT if re.search(r"namespace|uid map|Operation not permitted|Permission denied", said) else INSTALL_HINT
-        raise SandboxUnavailable(f"bubblewrap could not start a sandbox here (bwrap: {said}): {hint}")

@@ -34,15 +34,17 @@ other signal), sandbox_error (the run could not be started).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 import signal
 import sys
 import time
 from dataclasses import dataclass
 
 from reflow.envs.cgroups import detect
-from reflow.envs.isolation import KernelBoundary, SandboxUnavailable
+from reflow.envs.isolation import INSTALL_HINT, USERNS_HINT, KernelBoundary, SandboxUnavailable
 from reflow.envs.supervisor import RunProcess
 
 logger = logging.getLogger("reflow")
@@ -146,7 +148,7 @@ class Sandbox:
         allow_without_cgroup: bool = False, cgroups: bool = True,
     ):
         """``python``: the interpreter to run the code with ("": chosen by ``isolation.choose_interpreter``);
-        ``boundary``: a checked one (else ``KernelBoundary.for_host``); ``audit_hook``: the third layer;
+        ``boundary``: a checked one (else ``checked_boundary``); ``audit_hook``: the third layer;
         ``kernel=False`` (with ``allow_unisolated``): no kernel boundary even where the host has one (the
         benchmark's comparison); ``allow_without_cgroup`` (``task.sandbox_allow_without_cgroup``): run where no
         per-run cgroup can be made, with the per-process bounds only (``NO_CGROUP``); ``cgroups=False``: make
@@ -161,7 +163,7 @@ class Sandbox:
             _warn_unisolated("asked for (kernel=False)")
         elif self.boundary is None:
             try:
-                self.boundary = KernelBoundary.for_host(python)
+                self.boundary = checked_boundary(python)
             except SandboxUnavailable as error:
                 if not allow_unisolated:
                     raise
@@ -203,6 +205,20 @@ class Sandbox:
             run.end()
         status = outcome.verdict or _status(outcome.exit_code)
         return SandboxResult(status, outcome.stdout, outcome.stderr, outcome.exit_code, time.perf_counter() - t0, outcome.truncated)
+
+
+@functools.lru_cache(maxsize=4)
+def checked_boundary(python: str = "") -> KernelBoundary:
+    """The boundary this host allows (``KernelBoundary.for_host``), proven by one run of ``print('ok')`` with no
+    limits but the boundary's (once per process and interpreter); fails with the reason and a hint."""
+    boundary = KernelBoundary.for_host(python)
+    result = Sandbox(SandboxLimits(wall_s=60.0, cpu_s=30.0), boundary=boundary, audit_hook=False,
+                     allow_without_cgroup=True, cgroups=False).run("print('ok')")
+    if result.status == "ok" and result.stdout == "ok\n":
+        return boundary
+    said = (result.stderr.strip().splitlines() or [result.status])[-1]
+    hint = USERNS_HINT if re.search(r"namespace|uid map|Operation not permitted|Permission denied", said) else INSTALL_HINT
+    raise SandboxUnavailable(f"bubblewrap could not start a sandbox here (bwrap: {said}): {hint}")
 
 
 def _warn_unisolated(why: str) -> None:

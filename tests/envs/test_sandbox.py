@@ -33,8 +33,8 @@ import uuid
 
 import pytest
 
-from reflow.envs.isolation import SANDBOX_UID, KernelBoundary
-from reflow.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from reflow.envs.isolation import SANDBOX_UID
+from reflow.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, checked_boundary
 from reflow.tasks.base import Problem
 from reflow.tasks.retool import PythonInterpreter
 from tests.conftest import require_kernel_sandbox
@@ -536,7 +536,7 @@ def test_fail_closed_without_bubblewrap(monkeypatch, tmp_path):
     from reflow.tasks import build_task
 
     monkeypatch.setenv("PATH", str(tmp_path))
-    KernelBoundary.for_host.cache_clear()
+    checked_boundary.cache_clear()
     try:
         with pytest.raises(SandboxUnavailable, match=r"bubblewrap \(bwrap\) not found on PATH: install bubblewrap"):
             Sandbox(LIMITS)
@@ -548,7 +548,7 @@ def test_fail_closed_without_bubblewrap(monkeypatch, tmp_path):
         result = unisolated.run("print(input())", stdin="plain limits only")
         assert (result.status, result.stdout) == ("ok", "plain limits only\n")
     finally:
-        KernelBoundary.for_host.cache_clear()
+        checked_boundary.cache_clear()
 
 
 def test_the_check_command_refuses_before_any_rank(tmp_path):
