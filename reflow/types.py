@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 from reflow.scheduler.dispatch import WorkerReport
 
 if TYPE_CHECKING:
-    from reflow.rollout.engine import Request
+    from reflow.rollout.request import Request
 from reflow.scheduler.routing import Move, ShardCounts, plan_moves
 
 

@@ -26,12 +26,12 @@ broadcasts ``leave`` before returning from its run, so a follower never waits on
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from reflow.rollout.engine import Request, RolloutEngine
+    from reflow.rollout.request import Request
 
 
 class EngineMirror:
@@ -62,7 +62,17 @@ class EngineMirror:
         return box[0]
 
 
-def follow(engine: "RolloutEngine", mirror: EngineMirror, weight_sync) -> Any:
+class ReplayedEngine(Protocol):
+    """What a follower replays its leader's calls on (its ``RolloutEngine``)."""
+
+    def add(self, req: "Request") -> None: ...
+
+    def hold_all(self) -> list: ...
+
+    def step(self) -> list: ...
+
+
+def follow(engine: ReplayedEngine, mirror: EngineMirror, weight_sync) -> Any:
     """A follower's run: replay the leader's engine calls until it leaves; returns the command it left with."""
     while True:
         for call in mirror.receive():
