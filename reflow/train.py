@@ -27,6 +27,7 @@ import sys
 import time
 
 from reflow.config import ConfigError, ConfigManager, JobConfig, format_config
+from reflow.config.manager import config_to_dict
 from reflow.config.validate import mode_warnings, parse_schedule, validate, validate_recipe, validate_world
 from reflow.distributed.placement import feasible_placements
 from reflow.memory_plan import memory_plan
@@ -256,7 +257,7 @@ def build_components(
     trainer_group = layouts[placement.replicate_degree].group
     log = MetricsLogger(
         cfg.job.dump_folder, rank == 0, cfg.training.steps, cfg.metrics.enable_tensorboard, cfg.metrics.enable_progress_bar,
-        plain_every=cfg.metrics.progress_every,
+        plain_every=cfg.metrics.progress_every, wandb=cfg.metrics.wandb_settings(), config=config_to_dict(cfg),
     )
     log.info(f"{placement.describe()}; mode {cfg.training.mode}; model {recipe.name} from {hf_dir}")
     log.info(f"feasible placements with trainer shard degree {placement.shard_degree}: {', '.join(p.name for p in feasible)}")

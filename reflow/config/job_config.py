@@ -454,6 +454,27 @@ class MetricsSection:
     final one."""
     eval_num_prompts: int = 64
     """Prompts used by an evaluation."""
+    wandb_project: str = ""
+    """Log to Weights & Biases under this project ("": off). The run continues the same W&B run on resume."""
+    wandb_entity: str = ""
+    """W&B entity (team or user; "": the API key's default)."""
+    wandb_run_name: str = ""
+    """W&B run name ("": the dump folder's name)."""
+    wandb_group: str = ""
+    """W&B group (for example the seeds of one experiment)."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags."""
+    wandb_mode: str = limited("online", choices=("online", "offline"))
+    """'offline': write the W&B run under <dump_folder>/wandb, for ``wandb sync`` later (a node without network)."""
+
+    def wandb_settings(self):
+        """The W&B sink's settings, or None when ``wandb_project`` is empty."""
+        from reflow.metrics.sinks import WandbSettings
+
+        if not self.wandb_project:
+            return None
+        return WandbSettings(self.wandb_project, self.wandb_entity, self.wandb_run_name, self.wandb_group,
+                             tuple(self.wandb_tags), self.wandb_mode)
 
 
 @dataclass

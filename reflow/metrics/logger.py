@@ -1,4 +1,5 @@
-"""One metrics path: rank 0 writes metrics.jsonl, TensorBoard events and console progress.
+"""One metrics path: rank 0 writes metrics.jsonl, its sinks (TensorBoard, Weights & Biases: ``reflow.metrics.
+sinks``, lists as histograms) and console progress.
 
 Progress is a redrawn bar on a terminal; off a terminal (a Slurm log, a pipe) it is one plain line every
 ``plain_every`` logged steps and at the last, since a carriage-return bar would become one giant line there.
@@ -13,17 +14,18 @@ rollout idle, and the samples evicted unused (and filtered, with dynamic samplin
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
 from typing import Any
 
+from reflow.metrics.sinks import TensorBoardSink, WandbSettings, WandbSink, split_row
+
 
 class MetricsLogger:
     def __init__(
         self, dump_folder: str, enabled: bool, total_steps: int, tensorboard: bool = True, progress: bool = True,
-        plain_every: int = 10, tty: bool | None = None,
+        plain_every: int = 10, tty: bool | None = None, wandb: "WandbSettings | None" = None, config: dict | None = None,
     ):
         self.enabled = enabled
         self.total_steps = total_steps
@@ -35,7 +37,7 @@ class MetricsLogger:
         self.start = time.time()
         self._pace: tuple[int, float] | None = None
         """(step, time) of the first logged step: the time left is estimated from the steps after it."""
-        self._tb = None
+        self.sinks: list = []
         self._file = None
         if not enabled:
             return
@@ -43,9 +45,9 @@ class MetricsLogger:
         self.path = os.path.join(dump_folder, "metrics.jsonl")
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=os.path.join(dump_folder, "tb"))
+            self.sinks.append(TensorBoardSink(dump_folder))
+        if wandb is not None:
+            self.sinks.append(WandbSink(wandb, dump_folder, config or {}))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -53,11 +55,10 @@ class MetricsLogger:
         row = {"step": step, **metrics}
         self._file.write(json.dumps(row, default=_jsonable) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        if self.sinks:
+            scalars, series = split_row(metrics)
+            for sink in self.sinks:
+                sink.write(step, scalars, series)
         if self.progress:
             self._draw(step, row)
 
@@ -95,8 +96,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def _replay_cycle(row: dict[str, Any]) -> str:
