@@ -217,6 +217,7 @@ def build_components(
     from reflow.checkpoint import CheckpointManager
     from reflow.distributed import build_trainer_layouts, init_distributed
     from reflow.metrics import MetricsLogger
+    from reflow.metrics.timeline import NullTimeline, Timeline
     from reflow.modes.base import Components
     from reflow.rewards import RewardMix
     from reflow.rollout.engine import RolloutEngine
@@ -310,6 +311,9 @@ def build_components(
         train_problems=train_problems,
         eval_problems=eval_problems,
         logger=log,
+        timeline=(Timeline(cfg.job.dump_folder, rank, "colocated" if placement.colocated else
+                           "trainer" if placement.is_trainer(rank) else "rollout")
+                  if cfg.metrics.timeline else NullTimeline()),
         checkpoints=CheckpointManager(cfg),
         layouts=layouts,
         weight_syncs=weight_syncs,
@@ -386,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         parts.trainer.export_hf(out)
         parts.logger.info(f"exported the policy in Hugging Face format to {out}")
     parts.logger.close()
+    parts.timeline.close()
     dist.barrier()
     # vLLM's exit hook tears down its own process groups; it needs the default group alive then
     return code

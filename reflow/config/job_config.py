@@ -454,6 +454,9 @@ class MetricsSection:
     final one."""
     eval_num_prompts: int = 64
     """Prompts used by an evaluation."""
+    timeline: bool = True
+    """Every rank writes what it did when (generate, idle, sync, evaluate, train, wait, transition) to
+    <dump_folder>/timeline/; ``python -m reflow.metrics.timeline DUMP`` draws them as one Chrome trace."""
     wandb_project: str = ""
     """Log to Weights & Biases under this project ("": off). The run continues the same W&B run on resume."""
     wandb_entity: str = ""

@@ -15,6 +15,7 @@ from reflow.config.job_config import JobConfig
 from reflow.dataplane.collectives import reduce_stats
 from reflow.distributed.placement import Placement
 from reflow.metrics.logger import MetricsLogger
+from reflow.metrics.timeline import NullTimeline, Timeline
 from reflow.modes.prompts import PromptStream
 from reflow.rewards import RewardMix
 from reflow.rollout.engine import RolloutEngine
@@ -51,6 +52,8 @@ class Components:
     train_problems: list[Problem]
     eval_problems: list[Problem]
     logger: MetricsLogger
+    timeline: "Timeline | NullTimeline"
+    """This rank's spans (``reflow.metrics.timeline``)."""
     checkpoints: CheckpointManager
     layouts: dict
     """Trainer layouts (mesh and group) of every feasible placement, by trainer replica count."""
@@ -61,19 +64,23 @@ class Components:
 
 
 class StepTimer:
-    """Accumulates wall time per phase: ``with timer("gen"): ...``."""
+    """Accumulates wall time per phase: ``with timer("gen"): ...``; each phase also goes on the rank's
+    timeline (``reflow.metrics.timeline``) when one is given."""
 
-    def __init__(self):
+    def __init__(self, timeline: "Timeline | NullTimeline | None" = None):
         self.start = time.perf_counter()
         self.times: dict[str, float] = {}
+        self.timeline = timeline or NullTimeline()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.times[name] = self.times.get(name, 0.0) + elapsed
+            self.timeline.add(name, wall, wall + elapsed)
 
     def get(self, name: str) -> float:
         return self.times.get(name, 0.0)

@@ -261,7 +261,7 @@ class DecoupledMode(ModeBase):
 
     def train_one_step(self, step: int) -> dict:
         parts = self.parts
-        timer = StepTimer()
+        timer = StepTimer(self.parts.timeline)
         # 1. wait until every shard can serve a batch of exactly b/A (fresh samples within the staleness bound)
         with timer("wait"):
             self._wait_for_batch()
@@ -384,7 +384,7 @@ class DecoupledMode(ModeBase):
             TaskScorer(parts.task, parts.tokenizer, advantage_estimator(cfg), parts.rewards),
             self.weight_sync, self.control, self.outbox, budget, index, self.trainer_ranks,
             evaluate=evaluate, evaluate_first=self._evaluates_start, carried=self.carried,
-            first_tokens_before_sync=self.settings.first_tokens_before_sync,
+            first_tokens_before_sync=self.settings.first_tokens_before_sync, timeline=parts.timeline,
         )
 
     @property
@@ -464,7 +464,9 @@ class DecoupledMode(ModeBase):
         return self.change_to is not None
 
     def _transition(self, replicas: int) -> None:
-        event = change_placement(self, replicas)
+        with self.parts.timeline.span("transition", replicas=replicas):
+            event = change_placement(self, replicas)
+        self.parts.timeline.role("trainer" if self.placement.is_trainer(self.parts.rank) else "rollout")
         self.ledger["transitions"].append(event)
         if self.leader is not None:
             self.leader.placement_rows.append(event)  # the controller learns what the change cost

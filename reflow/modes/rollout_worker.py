@@ -38,6 +38,7 @@ from typing import Callable
 
 from reflow.config.job_config import JobConfig
 from reflow.dataplane.protocols import CommandSource, DataSink
+from reflow.metrics.timeline import NullTimeline, Timeline
 from reflow.modes.commands import Command, Progress, Stop, SyncWeights, Transition, apply_progress
 from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.protocols import Engine, GroupScorer, GroupSource, WeightReceiver
@@ -104,6 +105,7 @@ class RolloutWorker:
         clock: Callable[[], float] = time.time,
         report_interval_s: float = 1.0,
         first_tokens_before_sync: bool = False,
+        timeline: "Timeline | NullTimeline | None" = None,
     ):
         self.cfg = cfg
         self.rollout_index = rollout_index
@@ -135,6 +137,9 @@ class RolloutWorker:
         self.carried_out: list[HeldGroup] = []
         """What it held when a placement change ended it (``run`` returned Transition)."""
         self.ledger: dict = {"started": [], "sent": [], "dropped_at_stop": [], "handed_in": [], "handed_out": []}
+        self.timeline = timeline or NullTimeline()
+        """Where the worker's spans go (generate, idle, sync, evaluate): ``reflow.metrics.timeline``, on the wall
+        clock; the simulator's has none."""
 
     def run(self) -> Command:
         self.start()
@@ -191,10 +196,12 @@ class RolloutWorker:
         self._admit()
         start = self.clock()
         if self.turns.num_active:
-            self._step()
+            with self.timeline.span("generate"):
+                self._step()
             self._count_busy(self.clock() - start)
         else:
-            command = self.control.wait(timeout=0.05)
+            with self.timeline.span("idle"):
+                command = self.control.wait(timeout=0.05)
             self.stats.idle_s += self.clock() - start
             if command is not None:
                 self.commands.append(command)
@@ -265,6 +272,10 @@ class RolloutWorker:
             self._finished(req)
 
     def _sync(self, version: int) -> None:
+        with self.timeline.span("sync", version=version):
+            self._hold_load_resume(version)
+
+    def _hold_load_resume(self, version: int) -> None:
         t0 = self.clock()
         self._first_tokens()
         held = self.turns.hold_all()  # trajectories waiting on a tool stay there, and resume under version v
@@ -292,7 +303,8 @@ class RolloutWorker:
         if self.evaluate is None or not interval or version % interval:
             return
         t0 = self.clock()
-        total, count = self.evaluate(version)
+        with self.timeline.span("evaluate", version=version):
+            total, count = self.evaluate(version)
         self.stats.busy_s += self.clock() - t0
         self.outbox.put(self.control.leader, EvalShare(version, total, count))
 

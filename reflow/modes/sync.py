@@ -56,7 +56,7 @@ class SyncMode(ModeBase):
     def train_one_step(self, step: int) -> dict:
         parts = self.parts
         training = parts.cfg.training
-        timer = StepTimer()
+        timer = StepTimer(parts.timeline)
         engine_stats = WorkerStats()
         # the trainer's state waits in host memory while the engine generates (on CUDA only)
         with timer("gen"):

@@ -146,6 +146,15 @@ def test_reflow_two_replicas_two_rollout_ranks_no_sample_lost_or_duplicated(tmp_
     rollouts = [led for led in ledgers if not led["trainer"]]
     assert all({e["to"] for e in led["sent"]} == {0, 1} for led in rollouts)  # each rollout rank feeds both shards
     assert_no_sample_lost_or_duplicated(rows, ledgers)
+    # the timeline: one row per rank, the trainers training and syncing, the rollout ranks generating and syncing
+    from reflow.metrics.timeline import merge
+
+    trace = json.load(open(merge(str(tmp_path / "reflow"))))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in trace if e["ph"] == "M"}
+    assert names == {0: "rank 0 (trainer)", 1: "rank 1 (trainer)", 2: "rank 2 (rollout)", 3: "rank 3 (rollout)"}
+    did = {pid: {e["name"] for e in trace if e["ph"] == "X" and e["pid"] == pid} for pid in names}
+    assert all({"train", "sync"} <= did[pid] for pid in (0, 1)), did
+    assert all({"generate", "sync"} <= did[pid] for pid in (2, 3)), did
 
 
 def test_time_budget_stops_all_ranks_and_exports(tmp_path):
