@@ -28,6 +28,7 @@ from reflow.model.recipe import Recipe
 from reflow.rollout.kv_signals import EngineSignalReader, EngineSignals
 from reflow.rollout.request import Request
 from reflow.rollout.tensor_parallel import EngineMirror
+from reflow.rollout.vendor_logs import quiet_vendor_logs
 
 logger = logging.getLogger("reflow")
 
@@ -68,14 +69,6 @@ def padding_stops(tokenizer) -> list[int]:
     return [pad] if pad is not None and pad != eos else []
 
 
-class _RopeReloadFilter(logging.Filter):
-    """vLLM warns on every in-place reload that RotaryEmbedding loaded no weights: its cos/sin cache is
-    derived, not a checkpoint tensor, and vLLM keeps it as is. Drop that one message."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().startswith("RotaryEmbedding") and "Failed to load weights" in record.getMessage())
-
-
 class RolloutEngine:
     """The embedded vLLM engine as an ``Engine`` (``reflow.rollout.protocols``)."""
 
@@ -84,6 +77,7 @@ class RolloutEngine:
 
     def __init__(self, cfg: JobConfig, recipe: Recipe, hf_dir: str, seed: int):
         set_vllm_env(cfg)
+        quiet_vendor_logs()  # before vLLM's import, whose dependencies speak as it loads
         from vllm import LLM
 
         r = cfg.rollout
@@ -117,7 +111,7 @@ class RolloutEngine:
             kwargs["block_size"] = r.kv_block_size
         if r.num_kv_blocks > 0:
             kwargs["num_gpu_blocks_override"] = r.num_kv_blocks
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RopeReloadFilter())
+        quiet_vendor_logs()  # (after vLLM's import set up its handlers)
         t0 = time.time()
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
