@@ -15,6 +15,7 @@ COMMON = [
     "transformers",  # tokenizers of HF checkpoints, the trainer benchmark's plain loop, the tiny assets
     "numpy",  # the simulator's profile fit
     "pillow",  # the benchmarks' and the simulator's PNGs
+    "matplotlib",  # python -m reflow.metrics.compare: runs' curves side by side
     "math-verify==0.9.0",  # the math task's reward
     "pyarrow",  # Parquet prompt datasets (verl's RL layout)
     "huggingface_hub",  # models and datasets by hub id, through the standard cache
