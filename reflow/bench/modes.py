@@ -455,27 +455,36 @@ def finish(result: dict, out: str, rows_seed0: dict[str, list[dict]]) -> int:
 
 
 def write_png(path: str, result: dict, rows: dict[str, list[dict]]) -> None:
-    """Training reward (mean of the last 5 steps) against wall-clock time per mode; the held-out eval reward at
-    equal time (and of the starting policy); the trainer and rollout idle ratios."""
-    from reflow.metrics.plot import bars, new_canvas, steps_line
+    """Training reward (mean of the last 5 steps) against wall-clock time per mode (seed 0); the held-out eval
+    reward at equal time (and of the starting policy), with one standard deviation over seeds; the trainer and
+    rollout idle ratios."""
+    from reflow.metrics.plot import figure, grouped_bars, save
 
-    image, draw = new_canvas(1100, 640)
-    horizon = max(sum(r["step_time_s"] for r in mode_rows) for mode_rows in rows.values())
-    curves = {}
+    fig, axes = figure(1, 3, 20, 5.5)
+    curve = axes[0][0]
     for mode, mode_rows in rows.items():
-        t, points = 0.0, []
+        t, times, values = 0.0, [], []
         for i, r in enumerate(mode_rows):
             t += r["step_time_s"]
             window = [x["reward_mean"] for x in mode_rows[max(0, i - 4) : i + 1]]
-            points.append((t / horizon, sum(window) / len(window)))
-        curves[mode] = points
-    steps_line(draw, (50, 30, 900, 290), f"training reward (last 5 steps) vs wall-clock, 0..{horizon:.0f}s", curves, 1.0)
+            times.append(t)
+            values.append(sum(window) / len(window))
+        curve.plot(times, values, label=mode)
+    curve.set_title("training reward (mean of the last 5 steps), seed 0")
+    curve.set_xlabel("training wall time (s)")
+    curve.set_ylabel("reward")
+    curve.grid(alpha=0.3)
+    curve.legend()
     modes = result["modes"]
     evals = {"start": {"eval reward": result["start_eval_reward"]}} | {m: {"eval reward": s["eval_reward_at_equal_time"]} for m, s in modes.items()}
-    bars(draw, (50, 350, 480, 600), f"held-out reward at equal time ({result['equal_time_s']:.0f}s)", evals, 1.0)
+    spread = {"start": {"eval reward": 0.0}} | {
+        m: {"eval reward": s.get("eval_reward_at_equal_time_spread", {}).get("std", 0.0)} for m, s in modes.items()
+    }
+    grouped_bars(axes[0][1], evals, f"held-out reward at equal time ({result['equal_time_s']:.0f} s), mean ± sd over seeds",
+                 "eval reward", errors=spread, digits=3)
     idle = {m: {"trainer idle": s["trainer_idle_ratio"], "rollout idle": s["rollout_idle_ratio"]} for m, s in modes.items()}
-    bars(draw, (560, 350, 960, 600), "idle ratios", idle, 1.0)
-    image.save(path)
+    grouped_bars(axes[0][2], idle, "idle ratios (mean over seeds)", "fraction of wall time")
+    save(fig, path)
 
 
 def format_table(result: dict) -> str:

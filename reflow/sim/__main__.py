@@ -211,13 +211,13 @@ def _measured_detail(metrics_path: str, warmup: int, sent: list[dict]) -> dict:
 
 
 def _validate_png(path: str, detail: dict) -> None:
-    from reflow.metrics.plot import bars, new_canvas
+    from reflow.metrics.plot import figure, grouped_bars, save
 
-    image, draw = new_canvas(900, 320)
-    top = max(max(r["measured"]["tokens_per_s"], r["simulated"]["tokens_per_s"]) for r in detail.values()) * 1.1
-    bars(draw, (40, 30, 380, 280), "tokens/s", {m: {"measured": r["measured"]["tokens_per_s"], "simulated": r["simulated"]["tokens_per_s"]} for m, r in detail.items()}, top)
-    bars(draw, (500, 30, 800, 280), "rollout idle ratio", {m: {"measured": r["measured"]["rollout_idle_ratio"], "simulated": r["simulated"]["rollout_idle_ratio"]} for m, r in detail.items()}, 1.0)
-    image.save(path)
+    fig, axes = figure(1, 2, 14, 5)
+    pairs = lambda key: {m: {"measured": r["measured"][key], "simulated": r["simulated"][key]} for m, r in detail.items()}  # noqa: E731
+    grouped_bars(axes[0][0], pairs("tokens_per_s"), "tokens/s: measured and simulated", "tokens / s", digits=0)
+    grouped_bars(axes[0][1], pairs("rollout_idle_ratio"), "rollout idle: measured and simulated", "fraction of wall time")
+    save(fig, path)
 
 
 def compare_macro_steps(gpus: int) -> int:
@@ -325,22 +325,24 @@ def cmd_compare(args) -> int:
 
 
 def _compare_png(path: str, scales: dict) -> None:
-    from reflow.metrics.plot import bars, new_canvas, steps_line
+    from reflow.metrics.plot import figure, grouped_bars, save
 
     modes = ("sync", "one_step_off", "async", "reflow_static_best", "reflow_adaptive")
-    image, draw = new_canvas(1000, 330 * len(scales))
+    fig, axes = figure(len(scales), 2, 16, 4.5 * len(scales))
     for k, (gpus, row) in enumerate(scales.items()):
-        top = 30 + 330 * k
-        bars(draw, (40, top, 420, top + 250), f"{gpus} GPUs: idle ratios by mode", {
+        grouped_bars(axes[k][0], {
             m.replace("reflow_", "r_"): {"trainer idle": row[m]["trainer_idle_ratio"], "rollout idle": row[m]["rollout_idle_ratio"]}
             for m in modes
-        }, 1.0)
+        }, f"{gpus} GPUs: idle ratios by mode", "fraction of wall time")
         timeline = row["reflow_adaptive"]["timeline"]
-        steps = max(len(timeline), 1)
-        replicas = [(i / steps, float(parse_placement_name(t["placement"]).replicate_degree)) for i, t in enumerate(timeline)]
-        most = max((r for _, r in replicas), default=1.0)
-        steps_line(draw, (560, top, 880, top + 250), f"{gpus} GPUs: adaptive run, trainer replicas per step", {"replicas": replicas}, most * 1.2)
-    image.save(path)
+        replicas = [parse_placement_name(t["placement"]).replicate_degree for t in timeline]
+        axis = axes[k][1]
+        axis.step(range(1, len(replicas) + 1), replicas, where="post")
+        axis.set_title(f"{gpus} GPUs: adaptive run, trainer replicas per step")
+        axis.set_xlabel("step")
+        axis.set_ylabel("trainer replicas")
+        axis.grid(alpha=0.3)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
