@@ -2,8 +2,9 @@
 lengths, batches and world; the recipe's mode, placement shape, algorithm, replay, weight-sync interval,
 scheduler, activation checkpointing, bf16 gathers and checkpointing kept). Every GPU config gets overrides that
 validate on 4 ranks; the two shapes the recipes come in run: decoupled HSDP with 2 replicas and 2 rollout ranks
-(DAPO: dynamic sampling, clip-higher, overlong shaping, 4 minibatches) through a checkpoint every step, a resume,
-and an HF export that transformers loads; and colocated sync mode (qwen3_8b) through a checkpoint and the export."""
+(the paper's math recipe) on a torchtitan registry flavor with fused q/k/v, the GPU recipes' model class, through
+a checkpoint every step, a resume, a weight sync every step and an HF export that transformers loads; and
+colocated sync mode (qwen3_8b) through a checkpoint and the export."""
 
 import glob
 import json
@@ -16,7 +17,7 @@ from reflow.config import ConfigManager
 from reflow.config.cpu_scale import cpu_scale_overrides
 from reflow.config.validate import validate, validate_world
 from reflow.model.recipe import load_recipe
-from tests.conftest import ROOT, run_torchrun
+from tests.conftest import ROOT, TINY_HF, run_torchrun
 
 GPU_CONFIGS = sorted(
     os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, "train_configs", "*.toml"))
@@ -51,10 +52,78 @@ def test_every_gpu_recipe_has_cpu_scale_overrides_that_validate():
             original.training.activation_checkpointing, original.training.param_dtype), config
 
 
-def test_the_dapo_recipe_at_cpu_scale_checkpoints_resumes_and_exports(tmp_path):
-    config = "train_configs/dapo_qwen3_8b_math.toml"
+REGISTRY_TINY = """[recipe]
+name = "tiny_registry"
+description = "torchtitan's debugmodel flavor: a registry flavor, q/k/v fused as in the 4B-32B flavors"
+flavor = "debugmodel"
+hf_checkpoint = "{hf}"
+hf_repo = ""
+num_params = 31987968
+device = "cpu"
+
+[architecture]
+vocab_size = 2048
+dim = 256
+n_layers = 8
+n_heads = 16
+n_kv_heads = 8
+head_dim = 128
+hidden_dim = 3072
+rope_theta = 1000000.0
+max_seq_len = 4096
+tie_embeddings = true
+
+[parallelism]
+gpus_per_node = 0
+min_world_size = 1
+trainer_shard_degree = -1
+rollout_tensor_parallel_degree = 1
+
+[vllm]
+dtype = "float32"
+max_model_len = 256
+max_num_seqs = 128
+gpu_memory_utilization = 0.0
+"""
+
+
+def _registry_flavor_recipe(folder) -> str:
+    """A recipe of torchtitan's ``debugmodel`` registry flavor (the class the GPU recipes build, fused q/k/v and
+    tied embeddings) and a Hugging Face checkpoint of its shape with random weights and the tiny tokenizer."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    hf = os.path.join(folder, "hf")
+    config = json.load(open(os.path.join(TINY_HF, "config.json")))
+    config.update(vocab_size=2048, hidden_size=256, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=3072, tie_word_embeddings=True, max_position_embeddings=4096,
+                  layer_types=["full_attention"] * 8)
+    for key in ("architectures", "transformers_version", "dtype"):
+        config.pop(key, None)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config)).save_pretrained(hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(TINY_HF, name), hf)
+    path = os.path.join(folder, "tiny_registry.toml")
+    with open(path, "w") as f:
+        f.write(REGISTRY_TINY.format(hf=hf))
+    return path
+
+
+def test_a_decoupled_recipe_on_a_registry_flavor_checkpoints_resumes_syncs_and_exports(tmp_path):
+    """The paper's math recipe (reflow, HSDP 2 replicas + 2 rollout ranks, bf16 gathers, full activation
+    checkpointing, a sync after every step) on a torchtitan registry flavor, as the GPU recipes build theirs: the
+    path that crashed at the first checkpoint before the flavors were built unfused. The HF load, FSDP2, the
+    checkpoint, the resume, the weight sync into vLLM and the HF export all cross the fused layout's names. The
+    weights are random, so no answer scores and the policy does not move: the export must equal the checkpoint
+    it started from, bit for bit."""
+    from safetensors.torch import load_file
+
+    config = "train_configs/paper_math_qwen3_8b.toml"
+    recipe = _registry_flavor_recipe(str(tmp_path / "model"))
     dump = str(tmp_path / "run")
-    common = ["-m", "reflow.train", "--config", config, *_overrides(config, 4), f"--job.dump_folder={dump}"]
+    common = ["-m", "reflow.train", "--config", config, *_overrides(config, 4), f"--model.recipe={recipe}",
+              f"--job.dump_folder={dump}"]
     run_torchrun(4, common)
     rows = _rows(dump)
     assert [r["step"] for r in rows] == [1, 2] and all(r["mode"] == "reflow" for r in rows)
@@ -63,6 +132,9 @@ def test_the_dapo_recipe_at_cpu_scale_checkpoints_resumes_and_exports(tmp_path):
     proc = run_torchrun(4, common + ["--training.steps=3"])
     assert "resumed from step 2" in proc.stderr
     assert [r["step"] for r in _rows(dump)] == [1, 2, 3]
+    exported = load_file(os.path.join(dump, "hf_final", "model.safetensors"))
+    source = load_file(os.path.join(tmp_path, "model", "hf", "model.safetensors"))
+    assert exported.keys() == source.keys() and all(torch.equal(exported[k], source[k]) for k in source)
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(dump, "hf_final"), dtype=torch.float32)
     assert torch.isfinite(model(torch.tensor([[3, 4, 5]])).logits).all()
