@@ -72,12 +72,13 @@ def _write_shards(checkpoint: str, meta_model, adapter, out: str, shard_bytes: i
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from reflow.trainer.hf_io import is_derived_buffer
     from reflow.trainer.hf_shards import ShardWriter
 
     writer = ShardWriter(out, shard_bytes)
     for key, meta in meta_model.state_dict().items():
-        if not meta.is_floating_point() or "rope" in key or "freqs" in key:
-            continue  # derived buffers (the RoPE cache) are not in a checkpoint
+        if not meta.is_floating_point() or is_derived_buffer(key):
+            continue  # not in a checkpoint
         tensor = torch.empty(meta.shape, dtype=torch.float32)
         dcp.load({"trainer": {"model": {key: tensor}}}, checkpoint_id=checkpoint, no_dist=True)
         for hf_name, value in adapter.to_hf({key: tensor}).items():

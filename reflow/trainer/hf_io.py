@@ -30,6 +30,11 @@ HF_SIDE_FILES = (
 )
 
 
+def is_derived_buffer(key: str) -> bool:
+    """A state-dict entry derived at build time (the RoPE cache), never in a checkpoint or an export."""
+    return "rope" in key or "freqs" in key
+
+
 def build_adapter(model_config, hf_dir: str | None):
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
@@ -107,7 +112,7 @@ def load_hf_into(model: torch.nn.Module, adapter, hf_dir: str, process_group=Non
     hf_state = adapter.to_hf(state)
     dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(hf_dir), process_group=process_group)
     missing, unexpected = model.load_state_dict(adapter.from_hf(hf_state), strict=False)
-    missing = [m for m in missing if "rope" not in m and "freqs" not in m]
+    missing = [m for m in missing if not is_derived_buffer(m)]
     if missing or unexpected:
         raise ValueError(f"{hf_dir}: checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
@@ -129,8 +134,8 @@ def export_hf(model: torch.nn.Module, adapter, out_dir: str, source_dir: str, gr
     writer = ShardWriter(out_dir, shard_bytes, writer=rank, writers=size)
     count = 0
     for key, value in model.state_dict().items():
-        if not value.is_floating_point() or "rope" in key or "freqs" in key:
-            continue  # derived buffers
+        if not value.is_floating_point() or is_derived_buffer(key):
+            continue
         full = full_tensor(value)  # collective: every trainer rank gathers, one tensor at a time
         for hf_name, hf_value in adapter.to_hf({key: full.detach()}).items():
             writer.add(hf_name, hf_value.numel() * 4, lambda hf_value=hf_value: hf_value.to("cpu", torch.float32))
