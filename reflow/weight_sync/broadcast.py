@@ -92,7 +92,6 @@ class WeightSync:
         receivers = [r for r in placement.rollout_ranks if not placement.is_trainer(r)]
         # created by every rank (new_group is collective); None when everyone is colocated
         self.group = dist.new_group([self.src] + receivers) if receivers else None
-        self.in_group = rank == self.src or rank in receivers
         self.gathers = gathers_full_weights(placement, rank)
 
     def _bucket_tensors(self, trainer, state: dict, bucket) -> list[tuple[str, torch.Tensor]]:
