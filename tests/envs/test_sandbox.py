@@ -436,37 +436,13 @@ def test_attack_is_contained(host, interpreter, attack):
     assert interpreter.sandbox.run("print('still here')").stdout == "still here\n"
 
 
-def test_a_run_dies_with_its_parent(host, tmp_path):
-    """The rollout worker killed mid-run (SIGKILL: nothing of it runs after): the sandbox's processes die with it
-    (bwrap's --die-with-parent), none is left on the host."""
-    script = tmp_path / "parent.py"
-    program = (  # a forked child under a marked command line, and the program itself
-        "import os, sys\nif os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-c', "
-        f"'import time; time.sleep(120)  # {host.mark}'])\nimport time\ntime.sleep(120)"
-    )
-    script.write_text(
-        "from reflow.envs.sandbox import Sandbox, SandboxLimits\n"
-        f"Sandbox(SandboxLimits(wall_s=120, cpu_s=60), audit_hook=False).run({program!r})\n"
-    )
-    parent = subprocess.Popen([sys.executable, str(script)], cwd=os.getcwd())
-    marked = lambda: [p for p in host.run_processes() if host.mark in p]  # noqa: E731
-    deadline = time.time() + 60
-    while not marked() and time.time() < deadline:
-        time.sleep(0.05)
-    assert marked(), "the sandbox never started"
-    parent.kill()
-    parent.wait()
-    host.check("")
-
-
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-def test_a_run_that_cleared_its_parent_death_signal_still_dies_with_the_worker(host, tmp_path, how):
-    """The program is the namespace's init and clears the parent-death signal bwrap gave it (an ordinary prctl),
-    forks, and waits; the worker is then killed (SIGKILL, or SIGTERM as torchrun sends on a failure). Nothing of
-    the run may be left on the host: the run's guardian (``reflow.envs.guardian``) ends it."""
+def _kill_the_worker_mid_run(host, tmp_path, prelude: str, signum: int, settle_s: float) -> None:
+    """A worker process runs a sandbox whose program runs ``prelude``, forks a child under a marked command line
+    and sleeps; once the child shows on the host (and ``settle_s`` more), the worker gets ``signum``. Nothing of
+    the run may be left on the host after it."""
     script = tmp_path / "worker.py"
     program = (
-        "import ctypes, os, sys, time\nctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none\n"
+        f"import ctypes, os, sys, time\n{prelude}"
         "if os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-c', "
         f"'import time; time.sleep(120)  # {host.mark}'])\ntime.sleep(120)"
     )
@@ -480,10 +456,26 @@ def test_a_run_that_cleared_its_parent_death_signal_still_dies_with_the_worker(h
     while not marked() and time.time() < deadline:
         time.sleep(0.05)
     assert marked(), "the sandbox never started"
-    time.sleep(0.5)  # the program has cleared its parent-death signal by now (before it forked the marked child)
-    worker.send_signal(getattr(signal, how))
+    time.sleep(settle_s)
+    worker.send_signal(signum)
     worker.wait(timeout=30)
     host.check("")
+
+
+def test_a_run_dies_with_its_parent(host, tmp_path):
+    """The rollout worker killed mid-run (SIGKILL: nothing of it runs after): the sandbox's processes die with it
+    (bwrap's --die-with-parent), none is left on the host."""
+    _kill_the_worker_mid_run(host, tmp_path, "", signal.SIGKILL, 0.0)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_run_that_cleared_its_parent_death_signal_still_dies_with_the_worker(host, tmp_path, how):
+    """The program is the namespace's init and clears the parent-death signal bwrap gave it (an ordinary prctl),
+    forks, and waits; the worker is then killed (SIGKILL, or SIGTERM as torchrun sends on a failure). Nothing of
+    the run may be left on the host: the run's guardian (``reflow.envs.guardian``) ends it. (The program has
+    cleared its parent-death signal 0.5 s after its marked child appeared: it did so before forking it.)"""
+    prelude = "ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none\n"
+    _kill_the_worker_mid_run(host, tmp_path, prelude, getattr(signal, how), 0.5)
 
 
 def test_a_run_sees_no_host_pid_in_its_cgroup_path():

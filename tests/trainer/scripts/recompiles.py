@@ -48,15 +48,21 @@ policy.apply_block_compile = compile_blocks_with_eager_backend
 SHAPES = [(7, 10), (7, 23), (5, 37), (7, 50), (4, 71), (7, 90), (6, 13), (7, 120), (5, 64), (7, 101)]
 report = {}
 
+
+def graphs_after_each_step(run_one) -> list[int]:
+    """``run_one(batch)`` over every shape of ``SHAPES``: the graphs dynamo has compiled after each."""
+    graphs = []
+    for step, (rows, width) in enumerate(SHAPES):
+        run_one(batch(rows, width, step))
+        graphs.append(counters["stats"]["unique_graphs"])
+    return graphs
+
+
 cfg = JobConfig()
 cfg.training.compile = True
 cfg.training.micro_batch_size = 3
 trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
-graphs = []
-for step, (rows, width) in enumerate(SHAPES):
-    trainer.train_step(batch(rows, width, step))
-    graphs.append(counters["stats"]["unique_graphs"])
-report["train_graphs"] = graphs
+report["train_graphs"] = graphs_after_each_step(trainer.train_step)
 
 counters.clear()
 import torchtitan.models.common.attention as attention  # noqa: E402
@@ -66,11 +72,7 @@ cfg = JobConfig()
 cfg.model.attention = "flex"
 cfg.training.micro_batch_size = 3
 scorer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
-graphs = []
-for step, (rows, width) in enumerate(SHAPES):
-    scorer.compute_logprobs(batch(rows, width, step))
-    graphs.append(counters["stats"]["unique_graphs"])
-report["flex_logprob_graphs"] = graphs
+report["flex_logprob_graphs"] = graphs_after_each_step(scorer.compute_logprobs)
 report["fail_on_recompile_limit_hit"] = bool(torch._dynamo.config.fail_on_recompile_limit_hit)
 report["recompile_limit"] = int(torch._dynamo.config.recompile_limit)
 if rank == 0:
