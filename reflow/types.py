@@ -253,9 +253,18 @@ class TrainerView:
 
 
 class ReadinessExchange(Protocol):
-    """The one collective of the trainer's wait loop: every shard's readiness to every shard."""
+    """The one collective of the trainer's wait loop: every shard's readiness to every shard. ``reports``: those
+    of the shards this process holds (one on a live rank; every shard in the simulator)."""
 
-    def exchange(self, mine: ShardReadiness) -> TrainerView: ...
+    def exchange(self, reports: Sequence[ShardReadiness]) -> TrainerView: ...
+
+
+class InProcessExchange:
+    """A ``ReadinessExchange`` for a process that holds every shard (the simulator, tests): their reports,
+    combined."""
+
+    def exchange(self, reports: Sequence[ShardReadiness]) -> TrainerView:
+        return TrainerView.combine(reports)
 
 
 DataMessage = GroupDone | Moved | Handover | WorkerStats | EvalShare | Flush

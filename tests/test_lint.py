@@ -59,9 +59,9 @@ def test_reflow_packages_import_each_other_without_cycles():
             visit(package, [package])
 
 
-ANNOTATION_CYCLES_LEFT = {frozenset({"reflow.modes.decoupled", "reflow.modes.transition"})}
-"""File-level cycles still standing, each through annotations only: the placement change takes the mode
-(issue 34 moves it onto explicit state). A new cycle fails the test below, and so does one of these once gone."""
+ANNOTATION_CYCLES_LEFT: set[frozenset[str]] = set()
+"""File-level cycles still standing (none: the placement change works on explicit state, not on the mode). A
+new cycle fails the test below, and so does one of these once gone."""
 
 
 def _module_imports() -> dict[str, set[str]]:

@@ -6,7 +6,7 @@ trainer mesh's gloo group; the data and control planes' threads never use that g
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,8 @@ class GlooReadinessExchange:
     def __init__(self, group, shard_index: int, num_shards: int, num_rollout: int):
         self.group, self.shard_index, self.num_shards, self.num_rollout = group, shard_index, num_shards, num_rollout
 
-    def exchange(self, mine: ShardReadiness) -> TrainerView:
+    def exchange(self, reports: Sequence[ShardReadiness]) -> TrainerView:
+        (mine,) = reports  # a rank holds one shard
         num_rollout, num_shards = self.num_rollout, self.num_shards
         counts = torch.zeros(1 + 2 * num_rollout + 4 * num_shards, dtype=torch.long)
         counts[0] = int(not mine.ready)

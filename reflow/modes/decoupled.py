@@ -4,6 +4,8 @@ deadlocks: ``docs/decoupled_protocol.md``. The roles:
 
   ``TrainerShard``     (``trainer_shard``)   one shard's buffer and counts: receive, evict, retire,
                                              readiness, moves, the batch
+  ``TrainerRole``      (``trainer_role``)    the trainer's side over its shards: one pass of the wait
+                                             loop (poll), one step (plan, train, retire, sync, progress)
   ``Leader``           (``leader``)          trainer rank 0's second role: progress, dispatch, reports,
                                              evaluations, placement decisions
   ``RolloutWorker``    (``rollout_worker``)  one engine's loop: commands, admission, generation, routing
@@ -11,8 +13,9 @@ deadlocks: ``docs/decoupled_protocol.md``. The roles:
   ``resume``                                 what a checkpoint saves of the replay state, and its restore
   ``ledger``                                 where every sample went, per rank
 
-This module keeps the role loop: which role each rank has in the current placement, the message routing
-between the planes and the roles, and the trainer's step, told below as a numbered story.
+This module keeps the live wiring: which role each rank has in the current placement, the message routing
+between the planes and the roles, the trainer role's live backends (``PolicyTrainer``, the weight sync, the
+data plane for moves) and each step's metrics.
 """
 
 from __future__ import annotations
@@ -37,16 +40,18 @@ from reflow.modes.ledger import EVICTION_CAUSES, FILTERED, merge_rollout_ledger,
 from reflow.modes.prompts import initial_shares, reassign
 from reflow.modes.resume import restored_share, shard_files, stream_position
 from reflow.modes.rollout_worker import RolloutWorker
+from reflow.modes.trainer_role import Poll, TrainerRole
 from reflow.modes.trainer_shard import TrainerShard
-from reflow.modes.transition import change_placement
+from reflow.modes.transition import ChangePlan, RankState, TrainerClock, change_placement
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
+from reflow.replay.buffer import BatchPlan
 from reflow.rollout.groups import PromptGroups, evaluate_share
 from reflow.rollout.scoring import TaskScorer
 from reflow.rollout.tensor_parallel import EngineMirror, follow
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
 from reflow.trainer.batch import mask_stale_tokens, to_batch
-from reflow.types import EvalShare, Flush, GroupDone, Handover, HeldGroup, Moved, WorkerStats
+from reflow.types import EvalShare, Flush, GroupDone, Handover, HeldGroup, Moved, Sample, WorkerStats
 
 
 def survival_by_decile(retired: list[tuple[int, bool]]) -> list[float]:
@@ -57,6 +62,87 @@ def survival_by_decile(retired: list[tuple[int, bool]]) -> list[float]:
     ordered = sorted(retired)
     bins = [ordered[len(ordered) * k // 10 : len(ordered) * (k + 1) // 10] for k in range(10)]
     return [sum(kept for _, kept in b) / len(b) for b in bins]
+
+
+class PolicyTrainerBackend:
+    """The live ``TrainerBackend``: this rank's batch (replayed rows at loss weight tau, model tokens older than
+    max_head_lag versions masked out of the loss) through ``PolicyTrainer.train_step``."""
+
+    def __init__(self, trainer, pad_id: int, tau: float, max_head_lag: int | None, mask_truncated: bool):
+        self.trainer, self.pad_id, self.tau = trainer, pad_id, tau
+        self.max_head_lag, self.mask_truncated = max_head_lag, mask_truncated
+
+    def train(self, plans: list[BatchPlan], version: int) -> dict:
+        (plan,) = plans  # a rank holds one shard
+        weights = [1.0] * len(plan.fresh) + [self.tau] * len(plan.replayed)
+        batch = to_batch(plan.fresh + plan.replayed, self.pad_id, weights, self.mask_truncated)
+        model_tokens = batch.num_tokens()
+        masked = mask_stale_tokens(batch, version - self.max_head_lag) if self.max_head_lag is not None else 0
+        start = time.time()
+        stats = self.trainer.train_step(batch)
+        return {
+            "stats": stats, "model_tokens": model_tokens, "masked": masked,
+            "loss_tokens": batch.loss_weighted_tokens(), "train_start": start, "train_end": time.time(),
+        }
+
+
+class LiveWeightPublisher:
+    """The live ``WeightPublisher``: the leader sends SyncWeights to the rollout workers (and, at an evaluation
+    interval, expects their scores of the new version); then every trainer rank joins the broadcast."""
+
+    def __init__(self, weight_sync, trainer, engine, leader: Leader | None, control, rollout_workers: list[int], eval_interval: int):
+        self.weight_sync, self.trainer, self.engine = weight_sync, trainer, engine
+        self.leader, self.control, self.rollout_workers, self.eval_interval = leader, control, rollout_workers, eval_interval
+
+    def publish(self, version: int) -> None:
+        if self.leader is not None:
+            self.control.broadcast(SyncWeights(version), self.rollout_workers)
+            if self.eval_interval and version % self.eval_interval == 0:  # the rollout workers evaluate this version
+                self.leader.evaluations.expect(version, len(self.rollout_workers))
+        self.weight_sync.sync(self.trainer, self.engine, version)
+
+
+class OutboxMover:
+    """The live ``SampleMover``: samples for another shard go to its rank on the data plane (``Moved``)."""
+
+    def __init__(self, outbox: Outbox, trainer_ranks: list[int]):
+        self.outbox, self.trainer_ranks = outbox, trainer_ranks
+
+    def send(self, receiver: int, samples: list[Sample]) -> None:
+        self.outbox.put(self.trainer_ranks[receiver], Moved(samples))
+
+
+class LivePlacementLinks:
+    """The live ``PlacementLinks``: FLUSH and handovers on the data plane, the clock and the held groups by gloo
+    collectives over the world."""
+
+    def __init__(self, outbox: Outbox, receive, flushed: set[int], settle_moves, world_size: int):
+        self.outbox, self.receive, self.flushed, self.settle_moves = outbox, receive, flushed, settle_moves
+        self.world_size = world_size
+
+    def flush(self, trainer_ranks: list[int]) -> None:
+        for rank in trainer_ranks:
+            self.outbox.put(rank, Flush())
+
+    def drain(self, rollout_workers: list[int]) -> None:
+        while not set(rollout_workers) <= self.flushed:
+            self.receive()
+            time.sleep(0.002)
+        self.flushed.clear()
+        self.settle_moves()
+
+    def hand_over(self, heir_rank: int, handover: Handover) -> None:
+        self.outbox.put(heir_rank, handover)
+
+    def broadcast(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.long)
+        dist.broadcast(tensor, src=0)
+        return [int(x) for x in tensor.tolist()]
+
+    def all_gather(self, value) -> list:
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
 
 
 class DecoupledMode(ModeBase):
@@ -159,7 +245,17 @@ class DecoupledMode(ModeBase):
             else:
                 self.shard.index, self.shard.batch_per_shard = index, self.batch_per_shard
                 self.shard.restart_budgets(num_rollout)
-            self.exchange = GlooReadinessExchange(self.trainer_group, index, len(self.trainer_ranks), num_rollout)
+            parts = self.parts
+            self.role = TrainerRole(
+                [self.shard], self.settings.interval,
+                GlooReadinessExchange(self.trainer_group, index, len(self.trainer_ranks), num_rollout),
+                OutboxMover(self.outbox, self.trainer_ranks),
+                PolicyTrainerBackend(parts.trainer, parts.tokenizer.pad_id, self.settings.tau, self.settings.max_head_lag,
+                                     cfg.loss.mask_truncated),
+                LiveWeightPublisher(self.weight_sync, parts.trainer, parts.engine, self.leader, self.control,
+                                    self.rollout_workers, cfg.metrics.eval_interval),
+                board=self.leader, first_use=self.first_use_advantages,
+            )
         if self.shares is not None:
             self.shares = reassign(self.shares, len(self.rollout_workers))
 
@@ -227,83 +323,34 @@ class DecoupledMode(ModeBase):
 
     # ================================================================ trainer side
 
-    def _exchange(self):
-        """The readiness exchange over the trainer group; the leader tells the rollout workers (Progress)."""
-        view = self.exchange.exchange(self.shard.readiness(self.version))
-        if self.leader is not None:
-            self.leader.publish(self.steps_done, view)
-        return view
-
     def _wait_for_batch(self) -> None:
         """Block (idle) until every trainer shard can serve a batch of exactly b/A and no move between shards is
         pending or due; all trainer ranks leave together (R3, R4)."""
         while True:
             self.receive()
-            self.shard.evict_stale(self.version, "aged")
-            view = self._exchange()
-            moves = view.moves(self.batch_per_shard)
-            if moves:
-                for receiver, samples in self.shard.donate(moves, self.version):
-                    self.outbox.put(self.trainer_ranks[receiver], Moved(samples))
-            elif view.all_ready:
+            if self.role.poll(self.version, self.steps_done) is Poll.READY:
                 return
             time.sleep(0.002)
 
-    def _sync_weights(self) -> None:
-        parts = self.parts
-        if self.leader is not None:
-            self.control.broadcast(SyncWeights(self.version), self.rollout_workers)
-            eval_interval = parts.cfg.metrics.eval_interval
-            if eval_interval and self.version % eval_interval == 0:  # the rollout workers evaluate this version
-                self.leader.evaluations.expect(self.version, len(self.rollout_workers))
-        self.shard.evict_stale(self.version, "at_sync")
-        self.weight_sync.sync(parts.trainer, parts.engine, self.version)
-
     def train_one_step(self, step: int) -> dict:
-        parts = self.parts
         timer = StepTimer(self.parts.timeline)
         # 1. wait until every shard can serve a batch of exactly b/A (fresh samples within the staleness bound)
         with timer("wait"):
             self._wait_for_batch()
-        # 2. plan: fresh samples earliest deadline first, replayed ones up to sigma, each with its loss weight;
-        #    model tokens older than max_head_lag versions leave the loss
-        plan = self.shard.plan(self.version)
-        self.first_use_advantages(plan.fresh)  # REINFORCE++'s batch stage; a replayed sample keeps its advantage
-        trained = plan.fresh + plan.replayed
-        weights = [1.0] * len(plan.fresh) + [self.settings.tau] * len(plan.replayed)
-        batch = to_batch(trained, parts.tokenizer.pad_id, weights, parts.cfg.loss.mask_truncated)
-        model_tokens = batch.num_tokens()
-        masked = 0
-        if self.settings.max_head_lag is not None:
-            masked = mask_stale_tokens(batch, self.version - self.settings.max_head_lag)
-        self.ledger["consumed"].extend(
-            {
-                "uid": s.uid, "step": step, "staleness": self.shard.buffer.staleness(s, self.version),
-                "head_lag": s.head_lag(self.version), "response_len": len(s.output_ids),
-            }
-            for s in plan.fresh
+        # 2-6. the trainer role's step: plan, first-use advantages, train, retire, sync at sync points, progress
+        done = self.role.step(self.version, step, phase=timer)
+        trained = done.stats
+        self.ledger["steps"].append(
+            {"step": step, "version": done.trained_version, "train_start": trained["train_start"], "train_end": trained["train_end"]}
         )
-        # 3. train, then hand consumed samples to the replay filter; first uses retire their samples
-        train_start = time.time()
-        with timer("train"):
-            stats = parts.trainer.train_step(batch)
-        self.ledger["steps"].append({"step": step, "version": self.version, "train_start": train_start, "train_end": time.time()})
-        self.shard.retire_trained(plan)
-        self._drawn = max([self._drawn] + [s.draw + 1 for s in plan.fresh])
-        trained_version = self.version
-        self.version += 1
-        self.steps_done = step
-        # 4. weight sync at sync points; then tell the rollout workers (after SyncWeights, in order)
-        if self.version % self.settings.interval == 0:  # (a step that does not sync reports 0 seconds of it)
-            with timer("sync"):
-                self._sync_weights()
-        self._exchange()
-        # 5. metrics over the trainer ranks
+        self._drawn = max([self._drawn] + [s.draw + 1 for s in done.fresh])
+        self.version, self.steps_done = done.version, step
+        # 7. metrics over the trainer ranks
         row = self.step_metrics(
-            plan.fresh, trained, stats, timer, trained_version, trainer_wait_s=timer.get("wait"),
-            loss_tokens=batch.loss_weighted_tokens(),
+            done.fresh, done.trained, trained["stats"], timer, done.trained_version, trainer_wait_s=timer.get("wait"),
+            loss_tokens=trained["loss_tokens"],
         )
-        row.update(self._replay_cycle_metrics(plan, trained_version, model_tokens, masked))
+        row.update(self._replay_cycle_metrics(done.plans[0], done.trained_version, trained["model_tokens"], trained["masked"]))
         row.update(
             trainer_wait_s=timer.get("wait"),
             alpha=replay_gradient_share(row["replay_fraction"], self.settings.tau),
@@ -465,13 +512,39 @@ class DecoupledMode(ModeBase):
 
     def _transition(self, replicas: int) -> None:
         with self.parts.timeline.span("transition", replicas=replicas):
-            event = change_placement(self, replicas)
+            event = self._change_placement(replicas)
         self.parts.timeline.role("trainer" if self.placement.is_trainer(self.parts.rank) else "rollout")
         self.ledger["transitions"].append(event)
         if self.leader is not None:
             self.leader.placement_rows.append(event)  # the controller learns what the change cost
             self.parts.logger.log(self.step, {k: v for k, v in event.items() if k != "after_step"})
             self.parts.logger.info(f"placement {event['transition']} after step {self.step} in {event['transition_s']:.2f}s")
+
+    def _change_placement(self, replicas: int) -> dict:
+        """Every rank: ``change_placement``'s steps 1-4, then this rank's roles in the new placement and its weight
+        sync (weights into every engine that generates now; one that was asleep wakes in load_weights); returns
+        the change's event row."""
+        parts, t0 = self.parts, time.perf_counter()
+        plan = ChangePlan.to(self.placement, replicas)
+        links = LivePlacementLinks(self.outbox, self.receive, self.flushed, self.settle_moves, parts.world_size)
+        before = RankState(TrainerClock(self.step, self.version, self.steps_done, self._drawn), self.shard, self.shares, self.carried)
+        after, resized = change_placement(plan, self.rank, before, links, parts.engine, parts.trainer,
+                                          bucket_bytes=int(parts.cfg.weight_sync.bucket_size_mb * 2**20))
+        self.step, self.version, self.steps_done, self._drawn = (
+            after.clock.step, after.clock.version, after.clock.steps_done, after.clock.drawn,
+        )
+        self.shard, self.shares, self.carried = after.shard, after.shares, after.carried
+        self.enter(plan.new)  # (the budgets start afresh: no sample a shard holds counts against one of the old placement's)
+        self.weight_sync.sync(parts.trainer if self.is_trainer else None, parts.engine, self.version)
+        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        moved = torch.tensor([resized.bytes_moved], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        dist.all_reduce(moved)
+        return {
+            "transition": f"{plan.old.name} -> {plan.new.name}", "direction": resized.direction if self.rank == 0 else "",
+            "placement": plan.new.name, "transition_s": seconds.item(), "bytes_moved": int(moved.item()),
+            "after_step": self.step,
+        }
 
     def _shut_down(self) -> None:
         """END to every other rank on the data plane; drain until END from every other rank (rank 0 logs an
@@ -529,9 +602,7 @@ class DecoupledMode(ModeBase):
         restored = 0
         if self.is_trainer:
             samples, rng_state = restored_share(checkpoints.read_files("replay-shard"), self.shard.index, len(self.trainer_ranks))
-            self.shard.buffer.add(samples)
-            if rng_state is not None:
-                self.shard.buffer.rng.setstate(rng_state)
+            self.shard.restore(samples, rng_state)
             restored = len(samples)
             self.ledger["restored"].extend(
                 {"uid": x.uid, "use_count": x.use_count, "versions": x.versions, "advantage": x.advantage} for x in samples

@@ -1,10 +1,10 @@
 """One trainer shard's side of the replay cycle: receive, evict, retire, report readiness, move, plan.
 
 A ``TrainerShard`` owns one replay-buffer shard and the counts the protocol (``docs/decoupled_protocol.md``)
-needs from it. It never talks to another rank: the mode's role loop moves its messages and runs the one
-collective, the readiness exchange, through a ``ReadinessExchange`` (``GlooReadinessExchange`` live; the
-simulator combines its shards' reports in process). So the live run, the simulator and the unit tests drive
-the same object.
+needs from it. It never talks to another rank: the ``TrainerRole`` (``reflow.modes.trainer_role``) runs the
+one collective, the readiness exchange, through a ``ReadinessExchange`` (``GlooReadinessExchange`` live;
+``InProcessExchange`` where one process holds every shard, as the simulator does) and carries its moves. So
+the live run, the simulator and the unit tests drive the same object.
 
   accept_group     a finished group bound to this shard (R4): into the buffer, or retired at once as
                    evicted if it is already past its bound (cause "arrived_stale"), or, with dynamic
@@ -66,10 +66,13 @@ class TrainerShard:
         """Eligible samples other shards are sending this one (``plan_moves``)."""
         self.received_draws: set[int] = set()
         """Draws delivered to this shard over the run (for the checkpoints' prompt holes)."""
+        self.revision = 0
+        """Counts the changes to what ``readiness`` reads (a reader may keep a report until it moves)."""
 
     # ---- arrivals ------------------------------------------------------------------
 
     def accept_group(self, samples: list[Sample], version: int) -> None:
+        self.revision += 1
         self.ledger["received"].extend(s.uid for s in samples)
         self.received_draws.update(s.draw for s in samples)
         self.window.received += len(samples)
@@ -99,12 +102,14 @@ class TrainerShard:
                 self.buffer.add([sample])
 
     def accept_moved(self, samples: list[Sample]) -> None:
+        self.revision += 1
         self.buffer.add(samples)
         self.awaiting_moved -= len(samples)
         self.ledger["moved_in"].extend(s.uid for s in samples)
 
     def accept_handover(self, samples: list[Sample], draws: frozenset[int]) -> None:
         """A leaving shard's buffer (placement change): its budgets belonged to the placement that ended."""
+        self.revision += 1
         for sample in samples:
             sample.origin = -1
         self.buffer.add(samples)
@@ -113,6 +118,7 @@ class TrainerShard:
 
     def hand_over(self) -> tuple[list[Sample], frozenset[int]]:
         """This shard leaves: its whole buffer and its draws go to an heir, which answers for them now."""
+        self.revision += 1
         samples = self.buffer.drain()
         draws = frozenset(self.received_draws)
         self.received_draws = set()
@@ -121,6 +127,7 @@ class TrainerShard:
 
     def restart_budgets(self, num_rollout: int) -> None:
         """A new placement's budgets start afresh: no sample held now counts against one (origin -1)."""
+        self.revision += 1
         for sample in self.buffer.unused + self.buffer.replayable:
             sample.origin = -1
         self.retired = [0] * num_rollout
@@ -129,7 +136,10 @@ class TrainerShard:
     # ---- retirement ----------------------------------------------------------------
 
     def evict_stale(self, version: int, cause: str) -> None:
-        for sample in self.buffer.evict_stale(version):
+        gone = self.buffer.evict_stale(version)
+        if gone:
+            self.revision += 1
+        for sample in gone:
             if sample.use_count == 0:
                 self._evicted_unused(sample, cause)
             else:
@@ -164,6 +174,7 @@ class TrainerShard:
         """This shard's part of the moves: (receiving shard, samples) for each it donates to; it expects the
         ones it receives."""
         out = []
+        self.revision += 1
         for move in moves:
             if move.donor == self.index:
                 samples = self.buffer.take_eligible(move.first, move.count, version)
@@ -177,6 +188,7 @@ class TrainerShard:
 
     def plan(self, version: int) -> BatchPlan:
         """R3: exactly b/A, fresh samples earliest deadline first, replayed ones up to sigma (every shard was ready)."""
+        self.revision += 1
         plan = self.buffer.plan_batch(self.batch_per_shard, version)
         if plan is None or plan.size != self.batch_per_shard:
             raise RuntimeError(f"trainer shard {self.index} was ready for a batch of {self.batch_per_shard} but cannot serve it")
@@ -184,9 +196,18 @@ class TrainerShard:
 
     def retire_trained(self, plan: BatchPlan) -> None:
         """After the step: the replay filter takes the consumed samples, first uses retire theirs."""
+        self.revision += 1
         self.buffer.give_back(plan)
         for sample in plan.fresh:
             self._retire(sample, trained=True)
+
+    def restore(self, samples: list[Sample], rng_state) -> None:
+        """A resumed run's share of the saved buffers (``reflow.modes.resume.restored_share``), with the sampler's
+        random state where the checkpoint kept one."""
+        self.revision += 1
+        self.buffer.add(samples)
+        if rng_state is not None:
+            self.buffer.rng.setstate(rng_state)
 
     def take_window(self) -> ShardWindow:
         window, self.window = self.window, ShardWindow()

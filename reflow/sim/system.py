@@ -1,5 +1,6 @@
 """The whole system in simulated time, run by the live roles themselves: one ``TrainerShard`` per shard
-(receive, evict, readiness, moves, plan, retire), the ``Leader`` (Progress, the global dispatcher, the
+(receive, evict, readiness, moves, plan, retire) under the live ``TrainerRole`` (its wait-loop poll and its
+step, over in-process protocols: ``InProcessExchange``, ``SimMover``, ``SimTrainer``, ``SimPublisher``), the ``Leader`` (Progress, the global dispatcher, the
 placement controller) and one live ``RolloutWorker`` per rollout rank (commands, admission gate, dispatch
 budget, router, group assembly, partial rollouts at syncs and placement changes), over simulated engines
 (``reflow.sim.engine.SimEngine``, a live ``Engine``) and an in-process transport, on a simulated clock. What
@@ -48,21 +49,23 @@ from dataclasses import dataclass, field
 from reflow.algorithms.shaping import MAX_EXTRA_BATCHES
 from reflow.config.job_config import JobConfig
 from reflow.config.mode_settings import resolve_settings
-from reflow.distributed.placement import placement_name
+from reflow.distributed.placement import Placement, build_placement, placement_name
 from reflow.modes.commands import Command, SyncWeights, Transition
 from reflow.modes.leader import Leader
 from reflow.modes.ledger import filtered_uids, new_ledger
 from reflow.modes.rollout_worker import RolloutWorker
+from reflow.modes.trainer_role import Poll, TrainerRole
 from reflow.modes.trainer_shard import TrainerShard
+from reflow.modes.transition import ChangePlan
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
+from reflow.replay.buffer import BatchPlan
 from reflow.rollout.request import Request
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
-from reflow.scheduler.routing import deal_groups
 from reflow.sim.engine import SimEngine, SimTrajectory
 from reflow.sim.profiles import CostProfile
 from reflow.sim.workload import Workload
-from reflow.types import EvalShare, GroupDone, HeldGroup, Sample, TrainerView, WorkerStats
+from reflow.types import EvalShare, GroupDone, HeldGroup, InProcessExchange, Sample, WorkerStats
 
 
 @dataclass(frozen=True)
@@ -313,6 +316,43 @@ class SimOutbox:
             raise TypeError(f"a simulated worker sent {body!r} to {dst}")
 
 
+class SimMover:
+    """The simulator's ``SampleMover``: a moved sample reaches its shard at once."""
+
+    def __init__(self, sim: "DecoupledSim"):
+        self.sim = sim
+
+    def send(self, receiver: int, samples: list[Sample]) -> None:
+        self.sim.shards[receiver].accept_moved(samples)
+
+
+class SimTrainer:
+    """The simulator's ``TrainerBackend``: the step lasts the slowest rank's tokens times a measured step-to-step
+    ratio plus the profile's fixed costs, while every worker runs on to its end."""
+
+    def __init__(self, sim: "DecoupledSim"):
+        self.sim = sim
+
+    def train(self, plans: list[BatchPlan], version: int) -> dict:
+        sim, profile = self.sim, self.sim.profile
+        rank_tokens = [sum(len(s.prompt_ids) + len(s.output_ids) for s in plan.fresh + plan.replayed) for plan in plans]
+        train_end = sim.clock + profile.step_fixed_s + profile.train_seconds(max(rank_tokens), len(plans), sim.train_rng)
+        sim._run_workers_to(train_end)
+        sim.clock = train_end
+        return {"rank_tokens": rank_tokens}
+
+
+class SimPublisher:
+    """The simulator's ``WeightPublisher``: ``DecoupledSim._sync``."""
+
+    def __init__(self, sim: "DecoupledSim"):
+        self.sim = sim
+
+    def publish(self, version: int) -> None:
+        self.sim.version = version  # (what the workers deliver during the sync is checked against it)
+        self.sim.sync_s = self.sim._sync()
+
+
 class DecoupledSim:
     def __init__(self, cfg: SimConfig, profile: CostProfile, workload: Workload):
         self.cfg, self.profile, self.workload = cfg, profile, workload
@@ -348,18 +388,16 @@ class DecoupledSim:
         self.leader = Leader(self.control, cfg.group_size, self.planner)
         self.runnable: list[tuple[float, int]] = []  # lazy heap of (engine clock, worker index): ``_tick_earliest``
         self.in_heap: set[int] = set()  # the workers with an entry in it
-        self.reports: list = []  # each shard's latest readiness report (``_view``)
-        self.reports_version = -1
-        self.changed: set[int] = set()  # shards changed since their report
-        self.evicted_at = -1  # the version the shards last evicted aged samples at
+        self.sync_s = 0.0  # the latest weight sync's trainer seconds (``SimPublisher``)
         self.engines_ever: list[SimEngine] = []  # every engine the run built (for its preemption count)
-        self._enter(cfg.replicas)
+        self.layout: Placement | None = None
+        self._enter(build_placement(cfg.gpus, cfg.replicas, cfg.shard_degree, cfg.gpus - cfg.replicas * cfg.shard_degree))
 
     # ---- placement ---------------------------------------------------------------------
 
     @property
     def placement(self) -> str:
-        return placement_name(self.replicas, self.cfg.shard_degree, len(self.workers))
+        return self.layout.name
 
     def _new_shard(self, index: int, num_rollout: int, batch_per_shard: int) -> TrainerShard:
         buffer = ReplayBuffer(
@@ -369,15 +407,16 @@ class DecoupledSim:
         buffer.start_version = 0
         return TrainerShard(buffer, index, num_rollout, batch_per_shard, self.ledger, dynamic_sampling=self.cfg.dynamic_sampling)
 
-    def _enter(self, replicas: int, held: list[list[HeldGroup]] | None = None) -> None:
-        """The roles of a placement, as ``DecoupledMode.enter`` and ``change_placement`` take them up: staying
-        shards keep their samples, a leaving shard hands its buffer to the staying one of index (its index mod
-        A'), every budget starts at this step, the held groups are dealt to the new workers, and the leader
-        deals (or tells) the new rollout workers."""
+    def _enter(self, layout: Placement, change: ChangePlan | None = None, held: list[list[HeldGroup]] | None = None) -> None:
+        """The roles of a placement, as ``DecoupledMode.enter`` and ``change_placement`` take them up, by the live
+        ``ChangePlan`` where a change led here: staying shards keep their samples, a leaving shard hands its
+        buffer to its heir, every budget starts at this step, the held groups are dealt to the new workers, and
+        the leader deals (or tells) the new rollout workers."""
         cfg = self.cfg
-        self.replicas = replicas
-        num_shards = replicas * cfg.shard_degree
-        num_rollout = cfg.gpus - num_shards
+        self.layout = layout
+        self.replicas = layout.replicate_degree
+        num_shards = layout.num_trainer_ranks
+        num_rollout = layout.num_rollout_ranks
         batch_per_shard = cfg.batch // num_shards
         leaving = self.shards[num_shards:]
         self.shards = self.shards[:num_shards]
@@ -387,7 +426,7 @@ class DecoupledSim:
         self.shards += [self._new_shard(k, num_rollout, batch_per_shard) for k in range(len(self.shards), num_shards)]
         for shard in leaving:
             samples, draws = shard.hand_over()
-            self.shards[shard.index % num_shards].accept_handover(samples, draws)
+            self.shards[change.heir(shard.index)].accept_handover(samples, draws)
         # the rollout ranks that stay are the last ones (the trainer grows from rank 0 up)
         old = self.engines
         kept = old[len(old) - num_rollout:] if num_rollout <= len(old) else old
@@ -397,12 +436,8 @@ class DecoupledSim:
             engine.clock = self.clock
             engine.version = self.version
         self.engines = fresh + kept
-        carried: list[list[HeldGroup]] = [[] for _ in range(num_rollout)]
-        if held is not None:  # the partial rollouts: a staying worker keeps its own, a leaving one's are dealt
-            first_kept = len(old) - len(kept)
-            stays = [len(fresh) + (k - first_kept) if k >= first_kept else None for k in range(len(old))]
-            dealt = deal_groups([[len(group.held) for group in groups] for groups in held], stays, num_rollout)
-            carried = [[held[worker][k] for worker, k in mine] for mine in dealt]
+        # the partial rollouts: a staying worker keeps its own, a leaving one's are dealt
+        carried = change.deal(held) if change is not None else [[] for _ in range(num_rollout)]
         dealt_dispatch = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
         self.workers = [
             RolloutWorker(
@@ -422,10 +457,13 @@ class DecoupledSim:
         )
         self.leader.enter(list(range(num_rollout)), dispatcher)
         self.runnable, self.in_heap = [], set()
-        self._forget_reports()  # (budgets restarted, buffers handed over)
+        self.role = TrainerRole(
+            self.shards, self.settings.interval, InProcessExchange(), SimMover(self), SimTrainer(self),
+            SimPublisher(self), board=self.leader,
+        )
         for worker in self.workers:
             worker.start()
-        self.leader.publish(self.steps_done, self._view())  # (a Progress wakes every worker)
+        self.role.view(self.version, self.steps_done)  # (the leader's Progress wakes every worker)
 
     @staticmethod
     def _clock_of(engine: SimEngine):
@@ -446,9 +484,9 @@ class DecoupledSim:
         self.clock = max([self.clock] + [engine.clock for engine in self.engines]) + self.profile.transition_s
         for engine in self.engines:
             engine.wait_until(self.clock)
-        old = self.placement
-        self._enter(replicas, held)
-        event = {"after_step": self.steps_done, "transition": f"{old} -> {self.placement}", "transition_s": self.clock - start}
+        change = ChangePlan.to(self.layout, replicas)
+        self._enter(change.new, change, held)
+        event = {"after_step": self.steps_done, "transition": f"{change.old.name} -> {change.new.name}", "transition_s": self.clock - start}
         self.transitions.append(event)
         self.leader.placement_rows.append(event)
 
@@ -521,7 +559,6 @@ class DecoupledSim:
     def deliver(self, shard_index: int, samples: list[Sample]) -> None:
         """A finished group reaches the shard its worker's router chose."""
         self.shards[shard_index].accept_group(samples, self.version)
-        self.changed.add(shard_index)
         self.received += len(samples)
         self.received_tokens += sum(len(s.output_ids) for s in samples)
 
@@ -533,50 +570,19 @@ class DecoupledSim:
 
     # ---- the trainer side: the live shards and leader ------------------------------------------
 
-    def _view(self) -> TrainerView:
-        """The readiness exchange, in process: every shard's report, combined as the gloo exchange does. A shard's
-        report is computed again only when something reached or left it (``changed``) or the version moved."""
-        if self.reports_version != self.version or len(self.reports) != len(self.shards):
-            self.reports_version, self.reports, self.changed = self.version, [None] * len(self.shards), set(range(len(self.shards)))
-        for index in self.changed:
-            self.reports[index] = self.shards[index].readiness(self.version)
-        self.changed = set()
-        return TrainerView.combine(self.reports)
-
-    def _forget_reports(self) -> None:
-        """Every shard changed (an eviction pass, a placement change): ``_view`` computes every report again."""
-        self.reports_version = -1
-
     def _ready(self) -> bool:
-        """The trainer's wait loop (``DecoupledMode._wait_for_batch``) with instant moves: evict what aged, then
-        exchange (the leader publishes Progress), move until no move is due, and report whether every shard can
-        serve exactly b/A."""
-        if self.evicted_at != self.version:  # (a group that arrives stale is retired on arrival)
-            for shard in self.shards:
-                shard.evict_stale(self.version, "aged")
-            self.evicted_at = self.version
-            self._forget_reports()
-        per_shard = self.shards[0].batch_per_shard
-        while True:
-            view = self._view()
-            self.leader.publish(self.steps_done, view)
-            moves = view.moves(per_shard)
-            if not moves:
-                return view.all_ready
-            self.changed.update(index for move in moves for index in (move.donor, move.receiver))
-            for shard in self.shards:
-                for receiver, samples in shard.donate(moves, self.version):
-                    self.shards[receiver].accept_moved(samples)
+        """The trainer's wait loop (``DecoupledMode._wait_for_batch``) with instant moves: the role's poll until no
+        move is due; whether every shard can serve exactly b/A."""
+        while (poll := self.role.poll(self.version, self.steps_done)) is Poll.MOVING:
+            pass
+        return poll is Poll.READY
 
     def _sync(self) -> float:
-        """SyncWeights to every worker; each takes its first-token steps, holds and joins. The sync ends
+        """(The role evicted what the new version ages out.) SyncWeights to every worker; each takes its first-token steps, holds and joins. The sync ends
         ``weight_sync_s`` after the trainer joined (the measured seconds include the usual wait for the
         workers), or when the last worker joined if that is later; each worker then reloads and adds its held
         requests back for ``worker_sync_s``. Returns the trainer's seconds."""
         start = self.clock
-        for shard in self.shards:
-            shard.evict_stale(self.version, "at_sync")
-        self._forget_reports()
         self.weight_sync.joined = []
         for index in range(len(self.workers)):
             if self._command_now(index, SyncWeights(self.version)) is not None:
@@ -591,7 +597,7 @@ class DecoupledSim:
         return end - start
 
     def run(self) -> dict:
-        cfg, profile = self.cfg, self.profile
+        cfg = self.cfg
         while self.steps_done < cfg.steps:
             step_start = self.clock
             engines = self.engines
@@ -599,7 +605,6 @@ class DecoupledSim:
             idle0 = sum(e.idle_s for e in engines)
             self.received = self.received_tokens = 0
             self.latencies = []
-            sync_s = 0.0
             evicted_before = len(self.ledger["evicted_unused"])
             # 1. wait until every shard can serve a batch (the other workers catch up to that time, and what they
             #    deliver meanwhile goes through the same staleness check)
@@ -615,26 +620,16 @@ class DecoupledSim:
                 if self._ready():
                     break
             ready = self.clock
-            # 2. train: every shard's batch; the slowest rank sets the time
-            plans = [shard.plan(self.version) for shard in self.shards]
-            rank_tokens = [sum(len(s.prompt_ids) + len(s.output_ids) for s in plan.fresh + plan.replayed) for plan in plans]
+            # 2-5. the trainer role's step: plan, train (``SimTrainer``), retire, sync at sync points, progress
+            self.sync_s = 0.0
+            done = self.role.step(self.version, self.steps_done + 1)
+            self.version, self.steps_done = done.version, self.steps_done + 1
+            plans, rank_tokens = done.plans, done.stats["rank_tokens"]
             staleness = [0] * (self.settings.delta + 1)
             for shard, plan in zip(self.shards, plans):
-                for sample in plan.fresh + plan.replayed:
-                    staleness[shard.buffer.staleness(sample, self.version)] += 1
-            train_end = ready + profile.step_fixed_s + profile.train_seconds(max(rank_tokens), len(self.shards), self.train_rng)
-            self._run_workers_to(train_end)
-            self.clock = train_end
-            # 3. retire
-            for shard, plan in zip(self.shards, plans):
-                shard.retire_trained(plan)
                 shard.take_window()
-            self.version += 1
-            self.steps_done += 1
-            # 4. weight sync, 5. progress
-            if self.version % self.settings.interval == 0:
-                sync_s = self._sync()
-            self.leader.publish(self.steps_done, self._view())
+                for sample in plan.fresh + plan.replayed:
+                    staleness[shard.buffer.staleness(sample, done.trained_version)] += 1
             # the workers' reports, as the live step's row reads them (busy and idle seconds come from the engines'
             # clocks: a simulated worker never blocks, so its own idle count is zero)
             reported = self.leader.rollout_window.close()
@@ -648,7 +643,7 @@ class DecoupledSim:
                 rollout_busy_s=sum(e.busy_s for e in engines) - busy0,
                 rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
                 placement=self.placement, staleness=staleness, received_tokens=self.received_tokens,
-                evicted=len(evicted_now) - filtered, filtered=filtered, sync_s=sync_s,
+                evicted=len(evicted_now) - filtered, filtered=filtered, sync_s=self.sync_s,
                 engine_steps=reported["rollout_engine_steps"], step_sequences=reported["rollout_step_sequences"],
                 latencies=self.latencies,
             )

@@ -6,14 +6,17 @@ from collections import deque
 
 import pytest
 
+from reflow.distributed.placement import build_placement
 from reflow.modes.commands import Progress, SyncWeights, Transition, apply_progress
 from reflow.modes.leader import Leader, RolloutWindow
 from reflow.modes.ledger import new_ledger
+from reflow.modes.trainer_role import Poll, TrainerRole
 from reflow.modes.trainer_shard import TrainerShard
+from reflow.modes.transition import ChangePlan
 from reflow.replay import AcceptAll, RandomSampler, ReplayBuffer
 from reflow.scheduler import DispatchBudget, DispatchRule
 from reflow.scheduler.routing import ShardRouter
-from reflow.types import EvalShare, Sample, TrainerView, WorkerStats
+from reflow.types import EvalShare, HeldGroup, InProcessExchange, Sample, TrainerView, WorkerStats
 
 GROUP = 4
 
@@ -64,28 +67,87 @@ def test_a_shard_retires_stale_arrivals_at_once_and_counts_per_worker():
     assert shard.window.evicted == {"arrived_stale": GROUP, "aged": GROUP, "at_sync": 0, "no_signal": 0}
 
 
+class ShardMover:
+    """The in-process ``SampleMover``: a moved sample reaches its shard at once."""
+
+    def __init__(self, all_shards: list[TrainerShard]):
+        self.shards = all_shards
+
+    def send(self, receiver, samples):
+        self.shards[receiver].accept_moved(samples)
+
+
+class RecordingBackend:
+    """A ``TrainerBackend`` and ``WeightPublisher`` that record what the role asked, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def train(self, plans, version):
+        self.calls.append(("train", version, [plan.size for plan in plans]))
+        return {"trained": version}
+
+    def publish(self, version):
+        self.calls.append(("publish", version))
+
+
+def role_over(all_shards, interval=1, board=None, first_use=None):
+    backend = RecordingBackend()
+    role = TrainerRole(all_shards, interval, InProcessExchange(), ShardMover(all_shards), backend, backend,
+                       board=board, first_use=first_use)
+    return role, backend
+
+
 def test_a_batch_holds_exactly_b_over_shards_after_the_moves():
-    """Two shards, b = 8 (4 each), sigma 0.5: all three groups went to shard 0. The exchange plans moves, shard
-    1 receives what it lacks, and then both serve exactly 4, earliest deadline first (R3, R4)."""
+    """Two shards, b = 8 (4 each), sigma 0.5: all three groups went to shard 0. The role's poll plans moves,
+    shard 1 receives what it lacks, the next poll finds both ready, and the step trains exactly 4 on each,
+    earliest deadline first (R3, R4)."""
     pair, ledger = shards(2, 8, num_rollout=1)
     for draw, finished in ((0, 1), (2, 1), (1, 0)):  # g1 arrives last but finished first
         pair[0].accept_group(group(draw, origin=0, finish_version=finished), version=1)
     view = exchange(pair, 1)
     assert not view.all_ready and view.unused == (12, 0)
-    moves = view.moves(4)
-    assert moves
-    for shard in pair:  # every rank applies its part of the same moves
-        for receiver, samples in shard.donate(moves, version=1):
-            pair[receiver].accept_moved(samples)
-    assert exchange(pair, 1).all_ready
-    plans = [shard.plan(1) for shard in pair]
-    assert [plan.size for plan in plans] == [4, 4]
+    role, backend = role_over(pair)
+    assert role.poll(1, steps_done=1) is Poll.MOVING
+    assert role.poll(1, steps_done=1) is Poll.READY
+    done = role.step(1, step=2)
+    assert [plan.size for plan in done.plans] == [4, 4]
+    assert backend.calls == [("train", 1, [4, 4]), ("publish", 2)]
+    assert (done.trained_version, done.version, done.synced, done.stats) == (1, 2, True, {"trained": 1})
     assert sorted(ledger["moved_out"]) == sorted(ledger["moved_in"])
-    trained_first = {s.group_id for s in plans[0].fresh + plans[1].fresh}
+    trained_first = {s.group_id for s in done.fresh}
     assert "g1" in trained_first  # earliest deadline first, not arrival order: g1 finished at version 0
-    for shard, plan in zip(pair, plans):
-        shard.retire_trained(plan)
     assert sum(shard.retired[0] for shard in pair) == 8
+    assert [entry["step"] for entry in ledger["consumed"]] == [2] * 8
+
+
+def test_the_role_syncs_only_at_sync_points_evicts_what_the_new_version_ages_and_runs_first_use_before_training():
+    """Interval 2, delta 1, b = 4: the step from version 2 ends at version 3 (no sync), the one from 3 at 4 (a
+    sync, after the group the new version ages past delta left as evicted "at_sync"); the first-use stage sees
+    each step's fresh samples before the backend trains them; the leader hears the step's retirements."""
+    (shard,), ledger = shards(1, 4, num_rollout=1, sigma=0.0, delta=1)
+    seen = []
+    sink = Sink()
+    leader = Leader(sink, GROUP, controller=None)
+    leader.enter([1], dispatcher=None)
+    backend = RecordingBackend()
+    first_use = lambda fresh: seen.append((len(fresh), len(backend.calls)))  # noqa: E731
+    role = TrainerRole([shard], 2, InProcessExchange(), ShardMover([shard]), backend, backend, board=leader, first_use=first_use)
+    shard.accept_group(group(0, origin=0, finish_version=2), version=2)
+    shard.accept_group(group(1, origin=0, finish_version=2), version=2)
+    shard.accept_group(group(2, origin=0, finish_version=1), version=2)  # the earliest deadline: trained first
+    assert role.poll(2, steps_done=2) is Poll.READY
+    done = role.step(2, step=3)
+    assert (done.version, done.synced) == (3, False) and backend.calls == [("train", 2, [4])]
+    assert role.poll(3, steps_done=3) is Poll.READY
+    done = role.step(3, step=4)
+    assert (done.version, done.synced) == (4, True)
+    assert backend.calls[1:] == [("train", 3, [4]), ("publish", 4)]
+    assert seen == [(4, 0), (4, 1)]  # four fresh samples each step, before that step's training
+    # g2 at version 2, g0 at 3 (ties by arrival); g1, finished at 2, is two versions old at 4
+    assert [{e["uid"].split("/")[0] for e in ledger["consumed"] if e["step"] == step} for step in (3, 4)] == [{"g2"}, {"g0"}]
+    assert {u: ledger["eviction_causes"][u] for u in ledger["evicted_unused"]} == {f"g1/{k}": "at_sync" for k in range(GROUP)}
+    assert sink.sent[1][-1].steps_done == 4  # the last Progress: after the second step
 
 
 def test_the_leader_publishes_progress_only_when_it_changed_and_the_workers_apply_it():
@@ -143,6 +205,26 @@ def test_a_leaving_shard_hands_everything_over_and_budgets_restart():
     assert len(pair[0].buffer.unused) == GROUP and all(s.origin == -1 for s in pair[0].buffer.unused)
     assert pair[0].received_draws == {0} and pair[0].retired == [0, 0, 0]
     assert sorted(ledger["handed_over_unused"]) == sorted(ledger["handed_in_unused"])
+
+
+def test_a_change_plan_says_who_joins_who_inherits_and_deals_the_held_groups():
+    """T1x1+R3 -> T2x1+R2 and back (4 ranks, the trainer grows from rank 0 up): rank 1 joins the trainer and its
+    worker's held groups go to the new workers holding the fewest sequences; staying workers keep their own;
+    shrinking again, shard 1's buffer goes to shard 0 and rank 1's fresh worker takes nothing it did not hold."""
+    grow = ChangePlan.to(build_placement(4, 1, 1, 3), replicas=2)
+    assert (grow.old.name, grow.new.name) == ("T1x1+R3", "T2x1+R2")
+    assert [grow.joins_trainer(rank) for rank in range(4)] == [False, True, False, False]
+    assert not any(grow.leaves_trainer(rank) for rank in range(4))
+    held = lambda name, sequences: HeldGroup(name, [None] * sequences, [])  # noqa: E731 - only the sizes matter
+    dealt = grow.deal([[held("a", 3), held("b", 1)], [held("c", 2)], [held("d", 1)]])  # workers of ranks 1, 2, 3
+    names = [[g.group_id for g in groups] for groups in dealt]
+    assert names[0][0] == "c" and names[1][0] == "d"  # staying workers (ranks 2, 3) keep their own first
+    assert sorted(n for groups in names for n in groups) == ["a", "b", "c", "d"]
+    assert "a" in names[1]  # the largest leaving group goes to the worker holding fewer sequences
+    shrink = ChangePlan.to(grow.new, replicas=1)
+    assert [shrink.leaves_trainer(rank) for rank in range(4)] == [False, True, False, False]
+    assert shrink.heir(1) == 0 and shrink.joins_trainer(1) is False
+    assert [[g.group_id for g in groups] for groups in shrink.deal([[held("e", 1)], [held("f", 1)]])] == [[], ["e"], ["f"]]
 
 
 def test_the_gloo_planes_and_the_in_process_fakes_implement_the_transport_protocols():
