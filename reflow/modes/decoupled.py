@@ -20,7 +20,6 @@ data plane for moves) and each step's metrics.
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import torch
@@ -30,119 +29,28 @@ from reflow.algorithms.aggregation import replay_gradient_share
 from reflow.algorithms.settings import advantage_estimator
 from reflow.config.mode_settings import resolve_settings
 from reflow.dataplane import ControlChannel, Inbox, Outbox
-from reflow.dataplane.collectives import GlooReadinessExchange, reduce_stats
+from reflow.dataplane.collectives import GlooReadinessExchange
 from reflow.dataplane.transport import DATA
 from reflow.distributed.placement import Placement
 from reflow.modes.base import Components, ModeBase, StepTimer
-from reflow.modes.commands import Stop, SyncWeights, Transition
+from reflow.modes.commands import Stop, Transition
 from reflow.modes.leader import Leader
-from reflow.modes.ledger import EVICTION_CAUSES, FILTERED, merge_rollout_ledger, new_ledger, write_ledger
+from reflow.modes.ledger import merge_rollout_ledger, new_ledger, write_ledger
+from reflow.modes.live_backends import LivePlacementLinks, LiveWeightPublisher, OutboxMover, PolicyTrainerBackend
 from reflow.modes.prompts import initial_shares, reassign
-from reflow.modes.resume import restored_share, shard_files, stream_position
+from reflow.modes.replay_metrics import replay_cycle_metrics
+from reflow.modes.resume import restore_shard, save_shard
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.trainer_role import Poll, TrainerRole
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.modes.transition import ChangePlan, RankState, TrainerClock, change_placement
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
-from reflow.replay.buffer import BatchPlan
 from reflow.rollout.groups import PromptGroups, evaluate_share
 from reflow.rollout.scoring import TaskScorer
-from reflow.rollout.tensor_parallel import EngineMirror, follow
+from reflow.rollout.tensor_parallel import engine_mirror, follow
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
-from reflow.trainer.batch import mask_stale_tokens, to_batch
-from reflow.types import EvalShare, Flush, GroupDone, Handover, HeldGroup, Moved, Sample, WorkerStats
-
-
-def survival_by_decile(retired: list[tuple[int, bool]]) -> list[float]:
-    """``retired``: (response length, trained fresh) per retired sample. Ten equal-count bins by length, shortest
-    first: the share of each bin trained fresh (empty when fewer than ten samples retired)."""
-    if len(retired) < 10:
-        return []
-    ordered = sorted(retired)
-    bins = [ordered[len(ordered) * k // 10 : len(ordered) * (k + 1) // 10] for k in range(10)]
-    return [sum(kept for _, kept in b) / len(b) for b in bins]
-
-
-class PolicyTrainerBackend:
-    """The live ``TrainerBackend``: this rank's batch (replayed rows at loss weight tau, model tokens older than
-    max_head_lag versions masked out of the loss) through ``PolicyTrainer.train_step``."""
-
-    def __init__(self, trainer, pad_id: int, tau: float, max_head_lag: int | None, mask_truncated: bool):
-        self.trainer, self.pad_id, self.tau = trainer, pad_id, tau
-        self.max_head_lag, self.mask_truncated = max_head_lag, mask_truncated
-
-    def train(self, plans: list[BatchPlan], version: int) -> dict:
-        (plan,) = plans  # a rank holds one shard
-        weights = [1.0] * len(plan.fresh) + [self.tau] * len(plan.replayed)
-        batch = to_batch(plan.fresh + plan.replayed, self.pad_id, weights, self.mask_truncated)
-        model_tokens = batch.num_tokens()
-        masked = mask_stale_tokens(batch, version - self.max_head_lag) if self.max_head_lag is not None else 0
-        start = time.time()
-        stats = self.trainer.train_step(batch)
-        return {
-            "stats": stats, "model_tokens": model_tokens, "masked": masked,
-            "loss_tokens": batch.loss_weighted_tokens(), "train_start": start, "train_end": time.time(),
-        }
-
-
-class LiveWeightPublisher:
-    """The live ``WeightPublisher``: the leader sends SyncWeights to the rollout workers (and, at an evaluation
-    interval, expects their scores of the new version); then every trainer rank joins the broadcast."""
-
-    def __init__(self, weight_sync, trainer, engine, leader: Leader | None, control, rollout_workers: list[int], eval_interval: int):
-        self.weight_sync, self.trainer, self.engine = weight_sync, trainer, engine
-        self.leader, self.control, self.rollout_workers, self.eval_interval = leader, control, rollout_workers, eval_interval
-
-    def publish(self, version: int) -> None:
-        if self.leader is not None:
-            self.control.broadcast(SyncWeights(version), self.rollout_workers)
-            if self.eval_interval and version % self.eval_interval == 0:  # the rollout workers evaluate this version
-                self.leader.evaluations.expect(version, len(self.rollout_workers))
-        self.weight_sync.sync(self.trainer, self.engine, version)
-
-
-class OutboxMover:
-    """The live ``SampleMover``: samples for another shard go to its rank on the data plane (``Moved``)."""
-
-    def __init__(self, outbox: Outbox, trainer_ranks: list[int]):
-        self.outbox, self.trainer_ranks = outbox, trainer_ranks
-
-    def send(self, receiver: int, samples: list[Sample]) -> None:
-        self.outbox.put(self.trainer_ranks[receiver], Moved(samples))
-
-
-class LivePlacementLinks:
-    """The live ``PlacementLinks``: FLUSH and handovers on the data plane, the clock and the held groups by gloo
-    collectives over the world."""
-
-    def __init__(self, outbox: Outbox, receive, flushed: set[int], settle_moves, world_size: int):
-        self.outbox, self.receive, self.flushed, self.settle_moves = outbox, receive, flushed, settle_moves
-        self.world_size = world_size
-
-    def flush(self, trainer_ranks: list[int]) -> None:
-        for rank in trainer_ranks:
-            self.outbox.put(rank, Flush())
-
-    def drain(self, rollout_workers: list[int]) -> None:
-        while not set(rollout_workers) <= self.flushed:
-            self.receive()
-            time.sleep(0.002)
-        self.flushed.clear()
-        self.settle_moves()
-
-    def hand_over(self, heir_rank: int, handover: Handover) -> None:
-        self.outbox.put(heir_rank, handover)
-
-    def broadcast(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.long)
-        dist.broadcast(tensor, src=0)
-        return [int(x) for x in tensor.tolist()]
-
-    def all_gather(self, value) -> list:
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
+from reflow.types import EvalShare, Flush, GroupDone, Handover, HeldGroup, Moved, WorkerStats
 
 
 class DecoupledMode(ModeBase):
@@ -179,44 +87,20 @@ class DecoupledMode(ModeBase):
         self.change_to: int | None = None
         self.flushed: set[int] = set()  # rollout workers whose FLUSH arrived (placement changes)
         self.carried: list[HeldGroup] = []  # partial rollouts across a placement change: held, then to resume
-        self.mirror = self._engine_mirror()
+        self.mirror = engine_mirror(parts.placement.world_size, parts.placement.rollout_tp, parts.rank)
         self.enter(parts.placement)
         if self.is_trainer and not parts.placement.is_rollout(parts.rank):
             parts.engine.sleep()  # frees accelerator memory while this rank trains
-
-    def _engine_mirror(self) -> EngineMirror | None:
-        """With rollout tensor parallelism: the broadcast from this rank's engine block leader to the block (every
-        block's gloo group is made here by every rank, in the same order: new_group is collective)."""
-        placement = self.parts.placement
-        if placement.rollout_tp == 1:
-            return None
-        mine = None
-        for first in range(0, placement.world_size, placement.rollout_tp):
-            block = list(range(first, first + placement.rollout_tp))
-            # a follower waits on its leader's next call for as long as the leader is idle (a long train step,
-            # a checkpoint): no collective timeout there; a leader that dies ends the job through torchrun
-            group = dist.new_group(ranks=block, backend="gloo", timeout=datetime.timedelta(days=365))
-            if self.rank in block:
-                mine = EngineMirror(group, first, self.rank)
-        return mine
 
     def _placement_controller(self) -> PlacementController | None:
         parts, cfg = self.parts, self.parts.cfg
         if parts.schedule:
             return ForcedSchedule(parts.schedule)
         if cfg.scheduler.adaptive_placement:
-            return PlacementPlanner(
-                PlannerSettings(
-                    world_size=parts.world_size, shard_degree=parts.placement.shard_degree,
-                    replica_options=tuple(sorted(parts.layouts)), sigma=self.settings.sigma,
-                    batch_size=cfg.training.prompts_per_step * cfg.training.group_size,
-                    cooldown_steps=cfg.scheduler.cooldown_steps, margin=cfg.scheduler.margin,
-                    horizon_steps=cfg.scheduler.horizon_steps,
-                    transition_cost_s=cfg.scheduler.transition_cost_s, ema=cfg.scheduler.planner_ema,
-                    warmup_steps=cfg.scheduler.planner_warmup_steps, idle_threshold=cfg.scheduler.idle_threshold,
-                    idle_windows=cfg.scheduler.idle_windows,
-                )
-            )
+            return PlacementPlanner(PlannerSettings.from_section(
+                cfg.scheduler, parts.world_size, parts.placement.shard_degree, tuple(sorted(parts.layouts)),
+                self.settings.sigma, cfg.training.prompts_per_step * cfg.training.group_size,
+            ))
         return None
 
     # ================================================================ roles of the current placement
@@ -350,7 +234,9 @@ class DecoupledMode(ModeBase):
             done.fresh, done.trained, trained["stats"], timer, done.trained_version, trainer_wait_s=timer.get("wait"),
             loss_tokens=trained["loss_tokens"],
         )
-        row.update(self._replay_cycle_metrics(done.plans[0], done.trained_version, trained["model_tokens"], trained["masked"]))
+        lag_buckets = max(self.max_staleness, self.settings.max_head_lag or 0) + 2
+        row.update(replay_cycle_metrics(self.shard, done.plans[0], done.trained_version, trained["model_tokens"],
+                                        trained["masked"], lag_buckets, self.trainer_group))
         row.update(
             trainer_wait_s=timer.get("wait"),
             alpha=replay_gradient_share(row["replay_fraction"], self.settings.tau),
@@ -363,49 +249,6 @@ class DecoupledMode(ModeBase):
                 row["dispatched_groups"] = dealt
             row.update(self.leader.evaluations.finished())
         return row
-
-    def _replay_cycle_metrics(self, plan, trained_version: int, model_tokens: int, masked: int) -> dict:
-        """What the replay cycle did in this step, over the trainer ranks: fresh and replayed samples, what arrived
-        (its count, response length and reward, evicted samples included: ``reward_mean`` is over trained ones),
-        unused samples evicted by cause, the head lag of the fresh samples (versions their oldest token is behind
-        the trained policy), the model tokens masked for lagging more than max_head_lag, and survival (trained
-        fresh / retired) per decile of response length among the samples retired since the previous step (those
-        dynamic sampling filtered left out), and the share of what arrived that dynamic sampling filtered
-        (evicted "no_signal"; 0 when it is off)."""
-        window = self.shard.take_window()
-        head_lags = [0] * (max(self.max_staleness, self.settings.max_head_lag or 0) + 2)
-        for sample in plan.fresh:  # the last bucket holds every lag beyond the others
-            head_lags[min(sample.head_lag(trained_version), len(head_lags) - 1)] += 1
-        total = reduce_stats(
-            {
-                "fresh": len(plan.fresh), "replayed": len(plan.replayed), "received": window.received,
-                "received_tokens": window.received_tokens, "received_reward": window.received_reward,
-                "model_tokens": model_tokens, "masked": masked, "head_lags": head_lags,
-                **{f"evicted_{cause}": window.evicted[cause] for cause in EVICTION_CAUSES},
-            },
-            self.trainer_group,
-        )
-        buffered = reduce_stats({"size": len(self.shard.buffer)}, self.trainer_group, op="max")["size"]
-        retired: list = [None] * dist.get_world_size(self.trainer_group)
-        dist.all_gather_object(retired, window.retired_lengths, group=self.trainer_group)
-        fresh, replayed, received = int(total["fresh"]), int(total["replayed"]), int(total["received"])
-        evicted = {cause: int(total[f"evicted_{cause}"]) for cause in EVICTION_CAUSES}
-        return {
-            "fresh_samples": fresh,
-            "replayed_samples": replayed,
-            "replay_fraction": replayed / max(fresh + replayed, 1),
-            "received_samples": received,
-            # what the engines generated, before staleness eviction (response_len_mean is over trained samples)
-            "received_response_len_mean": total["received_tokens"] / received if received else 0.0,
-            "received_reward_mean": total["received_reward"] / received if received else 0.0,
-            "masked_token_frac": total["masked"] / total["model_tokens"] if total["model_tokens"] else 0.0,
-            "evicted_unused": sum(evicted.values()),
-            **{f"evicted_{cause}": count for cause, count in evicted.items()},
-            "dynamic_sampling_filtered_frac": evicted[FILTERED] / received if received else 0.0,
-            "head_lag_counts": [int(x) for x in total["head_lags"]],
-            "survival_by_length_decile": survival_by_decile([pair for part in retired for pair in part]),
-            "buffer_size_max": int(buffered),
-        }
 
     # ================================================================ rollout side
 
@@ -570,10 +413,8 @@ class DecoupledMode(ModeBase):
         the placement controller's memory. One all-gather of the draws delivered over the trainer group."""
         self.settle_moves()  # a sample moving between shards is in one of them when saved
         extra, files = super().checkpoint_state()
-        saved, regenerated = shard_files(self.shard.buffer, regenerate=self.settings.min_staleness > 0)
-        gathered: list = [None] * dist.get_world_size(self.trainer_group)
-        dist.all_gather_object(gathered, (self.shard.received_draws, regenerated), group=self.trainer_group)
-        position = stream_position(self.prompt_frontier, self.prompt_holes, gathered)
+        position, saved = save_shard(self.shard, self.prompt_frontier, self.prompt_holes,
+                                     regenerate=self.settings.min_staleness > 0, group=self.trainer_group)
         extra["prompts_drawn"] = position.frontier
         # the step's placement decision came first: a change it decided is the placement a resumed run takes up
         extra["trainer_replicas"] = self.change_to or self.placement.replicate_degree
@@ -601,12 +442,7 @@ class DecoupledMode(ModeBase):
         self._drawn = self.prompt_frontier
         restored = 0
         if self.is_trainer:
-            samples, rng_state = restored_share(checkpoints.read_files("replay-shard"), self.shard.index, len(self.trainer_ranks))
-            self.shard.restore(samples, rng_state)
-            restored = len(samples)
-            self.ledger["restored"].extend(
-                {"uid": x.uid, "use_count": x.use_count, "versions": x.versions, "advantage": x.advantage} for x in samples
-            )
+            restored = restore_shard(self.shard, checkpoints.read_files("replay-shard"), len(self.trainer_ranks), self.ledger)
         count = torch.tensor([restored], dtype=torch.long)
         dist.all_reduce(count)
         self.parts.logger.info(

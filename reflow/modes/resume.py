@@ -11,8 +11,14 @@ once and no sample is trained fresh twice. Restored samples count against no bud
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
 
 from reflow.types import Sample
+
+if TYPE_CHECKING:
+    from reflow.modes.trainer_shard import TrainerShard
 
 
 @dataclass(frozen=True)
@@ -60,3 +66,23 @@ def restored_share(saved: dict[str, dict], shard_index: int, num_shards: int) ->
         if saved_index == shard_index:
             rng_state = state["rng"]
     return samples, rng_state
+
+
+def save_shard(shard: "TrainerShard", frontier: int, holes: list[int], regenerate: bool, group) -> tuple[StreamPosition, dict]:
+    """A trainer rank at a checkpoint: its shard's saved state, and the prompt stream's position after one
+    all-gather over the trainer ``group`` of the draws each shard received and gives back."""
+    saved, regenerated = shard_files(shard.buffer, regenerate)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (shard.received_draws, regenerated), group=group)
+    return stream_position(frontier, holes, gathered), saved
+
+
+def restore_shard(shard: "TrainerShard", saved: dict[str, dict], num_shards: int, ledger: dict) -> int:
+    """A trainer rank on resume: its share of the saved buffers (``restored_share``) into its shard, each sample
+    in the ledger; returns how many."""
+    samples, rng_state = restored_share(saved, shard.index, num_shards)
+    shard.restore(samples, rng_state)
+    ledger["restored"].extend(
+        {"uid": x.uid, "use_count": x.use_count, "versions": x.versions, "advantage": x.advantage} for x in samples
+    )
+    return len(samples)

@@ -26,6 +26,7 @@ broadcasts ``leave`` before returning from its run, so a follower never waits on
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
@@ -60,6 +61,22 @@ class EngineMirror:
         box: list = [None]
         dist.broadcast_object_list(box, src=self.leader, group=self.group)
         return box[0]
+
+
+def engine_mirror(world_size: int, rollout_tp: int, rank: int) -> EngineMirror | None:
+    """With rollout tensor parallelism: the broadcast from ``rank``'s engine block leader to the block (every
+    block's gloo group is made here by every rank, in the same order: new_group is collective)."""
+    if rollout_tp == 1:
+        return None
+    mine = None
+    for first in range(0, world_size, rollout_tp):
+        block = list(range(first, first + rollout_tp))
+        # a follower waits on its leader's next call for as long as the leader is idle (a long train step, a
+        # checkpoint): no collective timeout there; a leader that dies ends the job through torchrun
+        group = dist.new_group(ranks=block, backend="gloo", timeout=datetime.timedelta(days=365))
+        if rank in block:
+            mine = EngineMirror(group, first, rank)
+    return mine
 
 
 class ReplayedEngine(Protocol):

@@ -75,6 +75,18 @@ class PlannerSettings:
     idle_threshold: float = 0.3
     idle_windows: int = 2
 
+    @classmethod
+    def from_section(cls, section, world_size: int, shard_degree: int, replica_options: tuple[int, ...], sigma: float,
+                     batch_size: int) -> "PlannerSettings":
+        """From the run's ``[scheduler]`` section (``SchedulerSection``) and what the run's shape fixes."""
+        return cls(
+            world_size=world_size, shard_degree=shard_degree, replica_options=replica_options, sigma=sigma,
+            batch_size=batch_size, cooldown_steps=section.cooldown_steps, margin=section.margin,
+            horizon_steps=section.horizon_steps, transition_cost_s=section.transition_cost_s, ema=section.planner_ema,
+            warmup_steps=section.planner_warmup_steps, idle_threshold=section.idle_threshold,
+            idle_windows=section.idle_windows,
+        )
+
 
 @dataclass(frozen=True)
 class WindowMeasurement:
