@@ -1,22 +1,31 @@
 """The simulator's commands.
 
     python -m reflow.sim fit --metrics outputs/bench/*/metrics.jsonl [--name tiny-cpu] [--warmup-steps 5] [--out profile.json]
-    python -m reflow.sim validate [--real outputs/bench/modes.json] [--out outputs/sim/validate.json]
+    python -m reflow.sim validate [--real outputs/bench/modes.json] [--fit-on async] [--out outputs/sim/validate.json]
+    python -m reflow.sim predict --config X [--world N] [--profile tiny-cpu | --fit metrics.jsonl] [--mode M|all]
+                                 [--section.key=value ...]
     python -m reflow.sim compare [--scales 8,32,128] [--steps 24] [--out outputs/sim/compare.json]
 
 fit       a cost profile from a real decoupled run's metrics.jsonl (``reflow.sim.profiles.fit_profile``)
 validate  replays the modes benchmark's configuration (the config its JSON names, its world size, split and
-          engine limits: a KV-bound config's KV cache) in the simulator, each mode with a tiny-cpu profile fitted from its own run (the first
-          seed's) and the groups of lengths that run wrote, and reports the relative error of each mode's
-          tokens/s and the error of its idle ratios (a fraction of time: the absolute difference) against
-          the measured ones, with mean in-flight, admission-to-finish, evicted fraction and sync seconds.
+          engine limits: a KV-bound config's KV cache) in the simulator, each mode with a tiny-cpu profile fitted
+          from its own run (the first seed's) and the groups of lengths that run wrote, or with ``--fit-on
+          MODE`` every mode from that one mode's run (a prediction of the modes it has not seen), and reports
+          each mode's error against the measured values: relative for tokens/s, loss-weighted tokens/s and
+          fresh samples/s, absolute for the idle ratios, the replay fraction and the evicted fraction
+          (fractions of time or of samples), with mean in-flight, admission-to-finish and sync seconds.
           Top-level keys: throughput_error and idle_error (the worst over modes), worst_error, and per-mode
           detail. Run ``python -m reflow.bench modes`` first. Target: within 0.10.
+predict   a config that has not run (``reflow.sim.predict``): every setting the simulator models read from
+          the config (KV blocks and block size included), the costs from a named or fitted profile; prints
+          and writes tokens/s, loss-weighted tokens/s, fresh samples/s, the idle fractions, the replay
+          fraction and the evicted fraction.
 compare   the paper's baselines and reflow on the reasoning-drift workload with the Qwen3-8B/H800
           profile, at each scale: sync, one_step_off, async, reflow_static_best (static splits tried, every
-          replica count up to 8 of them, else 8 evenly spaced; the best in hindsight) and reflow_adaptive (placement planner, concurrency controller and KV
-          rule), every simulation on a process pool. Top-level keys ``scales`` and ``seconds``. Target:
-          adaptive at least 0.97x the best static split and ahead of every baseline, within 2 minutes.
+          replica count up to 8 of them, else 8 evenly spaced; the best in hindsight) and reflow_adaptive
+          (placement planner, concurrency controller and KV rule), every simulation on a process pool.
+          Top-level keys ``scales`` and ``seconds``. Target: adaptive at least 0.97x the best static split
+          and ahead of every baseline, within 2 minutes.
 
 Each writes a PNG next to its JSON.
 """
@@ -33,6 +42,7 @@ import sys
 import time
 
 from reflow.distributed.placement import parse_placement_name
+from reflow.sim.predict import PREDICTED, predict, sim_config, workload_of, world_of
 from reflow.sim.profiles import PROFILES, QWEN3_8B_H800, fit_profile, with_engine_settings
 from reflow.sim.system import SimConfig, simulate, simulate_job
 from reflow.sim.workload import REASONING_DRIFT, chain_sum_workload
@@ -68,6 +78,9 @@ def _bench_config(real: dict) -> dict:
 
 
 def cmd_validate(args) -> int:
+    if args.fit_on and args.fit_on not in MODES:
+        print(f"reflow.sim validate: --fit-on must be one of {', '.join(MODES)}, got {args.fit_on!r}", file=sys.stderr)
+        return 2
     if not os.path.exists(args.real):
         print(f"reflow.sim validate: {args.real} not found: run `python -m reflow.bench modes` first", file=sys.stderr)
         return 2
@@ -85,12 +98,14 @@ def cmd_validate(args) -> int:
     # trainer's noise) measured in the run the simulation stands for, and the system's behaviour predicted from
     # them. The runs follow one another on a shared machine whose speed drifts by a fifth over the benchmark's
     # quarter hour, so one profile pooled over runs would charge each mode the others' machine
+    # with --fit-on, every mode from that one mode's run: its costs and the lengths its policy wrote
+    sources = {mode: args.fit_on or mode for mode in MODES}
     try:
         profiles = {
-            mode: with_engine_settings(
-                fit_profile([metrics[mode]], f"tiny-cpu {mode} (fitted)", warmup_steps=bench["warmup"]), cfg.rollout,
+            source: with_engine_settings(
+                fit_profile([metrics[source]], f"tiny-cpu {source} (fitted)", warmup_steps=bench["warmup"]), cfg.rollout,
             )
-            for mode in MODES
+            for source in set(sources.values())
         }
     except ValueError as error:  # a benchmark from before sync mode logged its engines' window, or a short one
         print(f"reflow.sim validate: {error}: run `python -m reflow.bench modes` again", file=sys.stderr)
@@ -107,24 +122,22 @@ def cmd_validate(args) -> int:
         # the decoupled runs finished over the steps it ran (the same task and starting policy, at the same
         # stage of training: the lengths move as the policy learns)
         steps = int(round(measured["steps"]))
-        groups = generated[mode] or [
+        source = sources[mode]
+        groups = (generated[source] if source == mode else _group_lengths(sent[source], max_version=steps)) or [
             group for other in MODES if other != "sync" for group in _group_lengths(sent[other], max_version=steps)
         ]
         workload = dataclasses.replace(dataset, empirical_groups=tuple(groups)) if groups else dataset
-        sim = simulate(SimConfig(
-            mode=mode, gpus=world, prompts_per_step=cfg.training.prompts_per_step, group_size=cfg.training.group_size,
-            steps=steps, replicas=world - bench["rollout_ranks"] if mode != "sync" else world, shard_degree=1,
-            sigma=cfg.replay.sigma, tau=cfg.replay.tau, delta=cfg.replay.delta, strict_window=cfg.replay.strict_window,
-            interval=1 if mode == "sync" else cfg.weight_sync.interval, b_max=cfg.rollout.b_max, warmup_steps=bench["warmup"],
-            macro_steps=1,  # the live engine's granularity: admission and commands after every decode step
-        ), profiles[mode], workload)
+        # the bench's shape (its world and split), every other setting as ``predict`` reads it from the config
+        # (macro_steps 1: the live engine's granularity, admission and commands after every decode step)
+        sim = simulate(sim_config(cfg, world, steps, bench["warmup"], mode, rollout_ranks=bench["rollout_ranks"]),
+                       profiles[source], workload)
         throughput = abs(sim["tokens_per_s"] - measured["tokens_per_s"]) / measured["tokens_per_s"]
         idle = max(abs(sim["trainer_idle_ratio"] - measured["trainer_idle_ratio"]),
                    abs(sim["rollout_idle_ratio"] - measured["rollout_idle_ratio"]))
         throughput_errors.append(throughput)
         idle_errors.append(idle)
         observed = {
-            **{k: measured.get(k, 0.0) for k in ("tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio", "evicted_fraction")},
+            **{k: measured.get(k) for k in PREDICTED},
             **_measured_detail(metrics[mode], bench["warmup"], sent[mode]),
         }
         simulated = {k: sim.get(k, 0.0) for k in observed}
@@ -139,9 +152,10 @@ def cmd_validate(args) -> int:
             "throughput_error": throughput, "idle_error": idle,
         }
     result = {
-        "command": "python -m reflow.sim validate",
+        "command": "python -m reflow.sim validate" + (f" --fit-on {args.fit_on}" if args.fit_on else ""),
+        "fitted_on": args.fit_on or "each mode's own run",
         "real": os.path.relpath(args.real, ROOT) if os.path.isabs(args.real) else args.real,
-        "profiles": {mode: profile.as_dict() for mode, profile in profiles.items()},
+        "profiles": {source: profile.as_dict() for source, profile in profiles.items()},
         "workload": {
             "train_file": cfg.task.train_file, "prompt_tokens": dataset.prompt_tokens,
             "response_tokens": "the groups each run generated, drawn whole (its ledger; sync mode: the decoupled runs')",
@@ -154,7 +168,9 @@ def cmd_validate(args) -> int:
             for key in {key for row in detail.values() for key in row["errors"]}
         },
         "target": {"within": 0.10, "met": all(row["worst_error"] <= 0.10 for row in detail.values())},
-        "idle_error_definition": "the absolute difference of the idle ratios (fractions of time), the worse of trainer and rollout",
+        "idle_error_definition": (
+            "the absolute difference of the idle ratios (fractions of time), the worse of trainer and rollout"
+        ),
         "error_definition": (
             f"absolute difference for {', '.join(sorted(ABSOLUTE_ERROR_KEYS))} (fractions); relative error for the rest"
         ),
@@ -163,7 +179,8 @@ def cmd_validate(args) -> int:
     _write(args.out, result)
     _validate_png(args.out.replace(".json", ".png"), detail)
     for mode, row in detail.items():
-        print(f"{mode:13s} tokens/s measured {row['measured']['tokens_per_s']:7.0f} simulated {row['simulated']['tokens_per_s']:7.0f} "
+        print(f"{mode:13s} tokens/s measured {row['measured']['tokens_per_s']:7.0f} "
+              f"simulated {row['simulated']['tokens_per_s']:7.0f} "
               f"(error {row['throughput_error']:.2f}); idle error {row['idle_error']:.2f}; evicted fraction measured "
               f"{row['measured']['evicted_fraction']:.3f} simulated {row['simulated']['evicted_fraction']:.3f}")
     for key, error in sorted(result["worst_error_by_metric"].items()):
@@ -173,7 +190,10 @@ def cmd_validate(args) -> int:
     return 0
 
 
-ABSOLUTE_ERROR_KEYS = frozenset({"trainer_idle_ratio", "rollout_idle_ratio", "evicted_fraction"})
+ABSOLUTE_ERROR_KEYS = frozenset({
+    "trainer_idle_ratio", "trainer_wait_ratio", "sync_stall_ratio", "rollout_idle_ratio", "replay_fraction",
+    "evicted_fraction",
+})
 
 
 def _sent(metrics_path: str) -> list[dict]:
@@ -218,6 +238,43 @@ def _validate_png(path: str, detail: dict) -> None:
     grouped_bars(axes[0][0], pairs("tokens_per_s"), "tokens/s: measured and simulated", "tokens / s", digits=0)
     grouped_bars(axes[0][1], pairs("rollout_idle_ratio"), "rollout idle: measured and simulated", "fraction of wall time")
     save(fig, path)
+
+
+def cmd_predict(args) -> int:
+    from reflow.config import ConfigManager
+    from reflow.config.manager import ConfigError
+
+    try:
+        cfg = ConfigManager().parse_args(["--config", args.config, *args.overrides])
+    except ConfigError as error:
+        print(f"reflow.sim predict: {error}", file=sys.stderr)
+        return 2
+    world = args.world or world_of(cfg)
+    if not world:
+        print(f"reflow.sim predict: {args.config} leaves placement.trainer_shard_degree to the world size: pass --world",
+              file=sys.stderr)
+        return 2
+    try:
+        profile = fit_profile(args.fit, f"fitted from {len(args.fit)} run(s)") if args.fit else PROFILES[args.profile]
+        workload = workload_of(cfg, ROOT, args.workload)
+        modes = MODES if args.mode == "all" else (args.mode or cfg.training.mode,)
+        result = {mode: predict(cfg, world, profile, workload, args.steps, args.warmup_steps, mode) for mode in modes}
+    except (ValueError, OSError) as error:
+        print(f"reflow.sim predict: {error}", file=sys.stderr)
+        return 2
+    for mode, run in result.items():
+        p = run["predicted"]
+        print(f"{mode:13s} tokens/s {p['tokens_per_s']:8.0f}  loss tokens/s {p['loss_tokens_per_s']:8.0f}  fresh/s "
+              f"{p['fresh_samples_per_s']:7.1f}  trainer idle {p['trainer_idle_ratio']:.2f} (wait {p['trainer_wait_ratio']:.2f}, "
+              f"sync {p['sync_stall_ratio']:.2f})  rollout idle {p['rollout_idle_ratio']:.2f}  replay "
+              f"{p['replay_fraction']:.2f}  evicted {p['evicted_fraction']:.3f}")
+    _write(args.out, {
+        "command": "python -m reflow.sim predict", "config": args.config, "overrides": args.overrides, "world_size": world,
+        "profile": profile.as_dict(), "workload": workload.name, "steps": args.steps, "warmup_steps": args.warmup_steps,
+        "modes": result,
+    })
+    print(f"wrote {args.out}")
+    return 0
 
 
 def compare_macro_steps(gpus: int) -> int:
@@ -288,7 +345,8 @@ def cmd_compare(args) -> int:
         row = {mode: results[gpus, mode] for mode in ("sync", "one_step_off", "async", "reflow_adaptive")}
         statics = {n: results[gpus, f"static{n}"] for n in options}
         best = max(statics, key=lambda n: statics[n]["tokens_per_s"])
-        row["reflow_static_best"] = dict(statics[best], replicas=best, all_static={str(n): statics[n]["tokens_per_s"] for n in options})
+        row["reflow_static_best"] = dict(statics[best], replicas=best,
+                                         all_static={str(n): statics[n]["tokens_per_s"] for n in options})
         baselines = max(row[m]["tokens_per_s"] for m in ("sync", "one_step_off", "async"))
         adaptive = row["reflow_adaptive"]["tokens_per_s"]
         row["adaptive_vs_static_best"] = adaptive / row["reflow_static_best"]["tokens_per_s"]
@@ -296,11 +354,13 @@ def cmd_compare(args) -> int:
         for mode in ("sync", "one_step_off", "async", "reflow_static_best"):
             row[mode].pop("timeline", None)
         scales[str(gpus)] = row
-        print(f"{gpus:4d} GPUs: " + "  ".join(f"{m} {row[m]['tokens_per_s']:.0f}" for m in ("sync", "one_step_off", "async", "reflow_static_best", "reflow_adaptive"))
+        print(f"{gpus:4d} GPUs: " + "  ".join(f"{m} {row[m]['tokens_per_s']:.0f}"
+                                              for m in ("sync", "one_step_off", "async", "reflow_static_best", "reflow_adaptive"))
               + f"  adaptive/static-best {row['adaptive_vs_static_best']:.2f}")
     seconds = time.time() - t0
     slowest = sorted(results, key=lambda key: -results[key]["wall_s"])[:4]
-    print("slowest simulations: " + ", ".join(f"{gpus} GPUs {mode} {results[gpus, mode]['wall_s']:.0f}s" for gpus, mode in slowest))
+    print("slowest simulations: " + ", ".join(f"{gpus} GPUs {mode} {results[gpus, mode]['wall_s']:.0f}s"
+                                               for gpus, mode in slowest))
     result = {
         "command": "python -m reflow.sim compare",
         "simulation_wall_s": {f"{gpus}/{mode}": round(value["wall_s"], 2) for (gpus, mode), value in results.items()},
@@ -331,7 +391,8 @@ def _compare_png(path: str, scales: dict) -> None:
     fig, axes = figure(len(scales), 2, 16, 4.5 * len(scales))
     for k, (gpus, row) in enumerate(scales.items()):
         grouped_bars(axes[k][0], {
-            m.replace("reflow_", "r_"): {"trainer idle": row[m]["trainer_idle_ratio"], "rollout idle": row[m]["rollout_idle_ratio"]}
+            m.replace("reflow_", "r_"): {"trainer idle": row[m]["trainer_idle_ratio"],
+                                         "rollout idle": row[m]["rollout_idle_ratio"]}
             for m in modes
         }, f"{gpus} GPUs: idle ratios by mode", "fraction of wall time")
         timeline = row["reflow_adaptive"]["timeline"]
@@ -346,7 +407,8 @@ def _compare_png(path: str, scales: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reflow.sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m reflow.sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     fit = sub.add_parser("fit", help="a cost profile from a run's metrics.jsonl")
     fit.add_argument("--metrics", required=True, nargs="+", help="one or more metrics.jsonl files")
@@ -355,15 +417,30 @@ def main(argv: list[str] | None = None) -> int:
     fit.add_argument("--out", default="")
     validate = sub.add_parser("validate", help="simulated against measured, on the modes benchmark")
     validate.add_argument("--real", default=os.path.join("outputs", "bench", "modes.json"))
+    validate.add_argument("--fit-on", default="", help="fit every mode's profile and lengths on this mode's run (e.g. async)")
     validate.add_argument("--out", default=os.path.join("outputs", "sim", "validate.json"))
+    pred = sub.add_parser("predict", help="a config that has not run")
+    pred.add_argument("--config", required=True)
+    pred.add_argument("--world", type=int, default=0, help="ranks (0: the placement's trainer and rollout ranks)")
+    pred.add_argument("--mode", default="", help="the mode to predict (default the config's; 'all': every mode)")
+    pred.add_argument("--profile", default="tiny-cpu", choices=sorted(PROFILES))
+    pred.add_argument("--fit", nargs="+", default=[], metavar="METRICS", help="fit the costs on these metrics.jsonl instead")
+    pred.add_argument("--workload", default="", help="a named workload for tasks whose rows are not chain_sum text")
+    pred.add_argument("--steps", type=int, default=60)
+    pred.add_argument("--warmup-steps", type=int, default=5)
+    pred.add_argument("--out", default=os.path.join("outputs", "sim", "predict.json"))
     compare = sub.add_parser("compare", help="modes and placements at 8-128 GPUs")
     compare.add_argument("--scales", default="8,32,128")
     compare.add_argument("--steps", type=int, default=24)
     compare.add_argument("--profile", default=QWEN3_8B_H800.name, choices=sorted(PROFILES))
     compare.add_argument("--out", default=os.path.join("outputs", "sim", "compare.json"))
     compare.add_argument("--workers", type=int, default=0, help="processes (0: one per CPU)")
-    args = ap.parse_args(argv)
-    return {"fit": cmd_fit, "validate": cmd_validate, "compare": cmd_compare}[args.command](args)
+    # ``predict`` takes the config overrides reflow.train takes (--section.key=value) after its own options
+    args, overrides = ap.parse_known_args(argv)
+    if overrides and args.command != "predict":
+        ap.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.overrides = overrides
+    return {"fit": cmd_fit, "validate": cmd_validate, "predict": cmd_predict, "compare": cmd_compare}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The whole system in simulated time, run by the live roles themselves: one ``TrainerShard`` per shard
 (receive, evict, readiness, moves, plan, retire) under the live ``TrainerRole`` (its wait-loop poll and its
-step, over in-process protocols: ``InProcessExchange``, ``SimMover``, ``SimTrainer``, ``SimPublisher``), the ``Leader`` (Progress, the global dispatcher, the
+step, over in-process protocols: ``InProcessExchange``, ``SimMover``, ``SimTrainer``, ``SimPublisher``), the
+``Leader`` (Progress, the global dispatcher, the
 placement controller) and one live ``RolloutWorker`` per rollout rank (commands, admission gate, dispatch
 budget, router, group assembly, partial rollouts at syncs and placement changes), over simulated engines
 (``reflow.sim.engine.SimEngine``, a live ``Engine``) and an in-process transport, on a simulated clock. What
@@ -161,6 +162,9 @@ class StepRecord:
     """Sequences summed over the engine steps of the step (mean in flight = step_sequences / engine_steps)."""
     latencies: list[float] = field(default_factory=list)
     """Admission-to-finish seconds of the samples whose group finished in the step."""
+    loss_tokens: float = 0.0
+    """Response tokens trained, a replayed sample's at tau (the live rows' ``loss_tokens``; sync: every response
+    token)."""
 
     def as_row(self) -> dict:
         """The live decoupled rows' keys the placement planner reads."""
@@ -187,6 +191,8 @@ def summarize(records: list[StepRecord], warmup: int, transitions: list[dict]) -
         "sync_s_per_step": sum(r.sync_s for r in kept) / max(len(kept), 1),
         "tokens_per_s": sum(r.trainer_tokens for r in kept) / max(seconds, 1e-9),
         "fresh_samples_per_s": sum(r.fresh for r in kept) / max(seconds, 1e-9),
+        "replay_fraction": sum(r.replayed for r in kept) / max(sum(r.fresh + r.replayed for r in kept), 1),
+        "loss_tokens_per_s": sum(r.loss_tokens for r in kept) / max(seconds, 1e-9),
         # as the live rows count it: waiting for data and stalling in a weight sync are both trainer idle time
         "trainer_idle_ratio": sum(r.wait_s + r.sync_s for r in kept) / max(seconds, 1e-9),
         "trainer_wait_ratio": sum(r.wait_s for r in kept) / max(seconds, 1e-9),
@@ -430,7 +436,10 @@ class DecoupledSim:
         # the rollout ranks that stay are the last ones (the trainer grows from rank 0 up)
         old = self.engines
         kept = old[len(old) - num_rollout:] if num_rollout <= len(old) else old
-        fresh = [SimEngine(self.profile, len(self.engines_ever) + i, cfg.macro_steps, cfg.macro_s) for i in range(num_rollout - len(kept))]
+        fresh = [
+            SimEngine(self.profile, len(self.engines_ever) + i, cfg.macro_steps, cfg.macro_s)
+            for i in range(num_rollout - len(kept))
+        ]
         self.engines_ever.extend(fresh)
         for engine in fresh:
             engine.clock = self.clock
@@ -441,7 +450,8 @@ class DecoupledSim:
         dealt_dispatch = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
         self.workers = [
             RolloutWorker(
-                self.job, engine, TurnDriver(engine, None, None), SimGroups(self), SimScorer(self.workload, cfg.seed), self.weight_sync,
+                self.job, engine, TurnDriver(engine, None, None), SimGroups(self), SimScorer(self.workload, cfg.seed),
+                self.weight_sync,
                 self.control.source(index), SimOutbox(self, index),
                 DispatchBudget(self.settings.dispatch, index, num_rollout, cfg.group_size, start_step=self.steps_done,
                                dealt=dealt_dispatch),
@@ -486,7 +496,10 @@ class DecoupledSim:
             engine.wait_until(self.clock)
         change = ChangePlan.to(self.layout, replicas)
         self._enter(change.new, change, held)
-        event = {"after_step": self.steps_done, "transition": f"{change.old.name} -> {change.new.name}", "transition_s": self.clock - start}
+        event = {
+            "after_step": self.steps_done, "transition": f"{change.old.name} -> {change.new.name}",
+            "transition_s": self.clock - start,
+        }
         self.transitions.append(event)
         self.leader.placement_rows.append(event)
 
@@ -578,10 +591,12 @@ class DecoupledSim:
         return poll is Poll.READY
 
     def _sync(self) -> float:
-        """(The role evicted what the new version ages out.) SyncWeights to every worker; each takes its first-token steps, holds and joins. The sync ends
-        ``weight_sync_s`` after the trainer joined (the measured seconds include the usual wait for the
-        workers), or when the last worker joined if that is later; each worker then reloads and adds its held
-        requests back for ``worker_sync_s``. Returns the trainer's seconds."""
+        """The weight sync, after the role evicted what the new version ages out: SyncWeights to every worker,
+        which holds what it has in flight and joins (one_step_off's first takes its first-token steps:
+        ``ModeSettings.first_tokens_before_sync``). The sync ends ``weight_sync_s`` after the trainer joined (the
+        measured seconds include the usual wait for the workers), or when the last worker joined if that is
+        later; each worker then reloads and adds its held requests back for ``worker_sync_s``. Returns the
+        trainer's seconds."""
         start = self.clock
         self.weight_sync.joined = []
         for index in range(len(self.workers)):
@@ -614,7 +629,9 @@ class DecoupledSim:
                     while self.received == delivered:  # the shards change only when a group arrives
                         now = self._tick_earliest()
                         if now is None:
-                            raise RuntimeError(f"simulated {cfg.mode} deadlocked at step {self.steps_done + 1}: no worker can run")
+                            raise RuntimeError(
+                                f"simulated {cfg.mode} deadlocked at step {self.steps_done + 1}: no worker can run"
+                            )
                         self.clock = max(self.clock, now)
                 self._run_workers_to(self.clock)
                 if self._ready():
@@ -626,10 +643,13 @@ class DecoupledSim:
             self.version, self.steps_done = done.version, self.steps_done + 1
             plans, rank_tokens = done.plans, done.stats["rank_tokens"]
             staleness = [0] * (self.settings.delta + 1)
+            loss_tokens = 0.0
             for shard, plan in zip(self.shards, plans):
                 shard.take_window()
                 for sample in plan.fresh + plan.replayed:
                     staleness[shard.buffer.staleness(sample, done.trained_version)] += 1
+                loss_tokens += sum(len(s.output_ids) for s in plan.fresh)
+                loss_tokens += self.settings.tau * sum(len(s.output_ids) for s in plan.replayed)
             # the workers' reports, as the live step's row reads them (busy and idle seconds come from the engines'
             # clocks: a simulated worker never blocks, so its own idle count is zero)
             reported = self.leader.rollout_window.close()
@@ -645,7 +665,7 @@ class DecoupledSim:
                 placement=self.placement, staleness=staleness, received_tokens=self.received_tokens,
                 evicted=len(evicted_now) - filtered, filtered=filtered, sync_s=self.sync_s,
                 engine_steps=reported["rollout_engine_steps"], step_sequences=reported["rollout_step_sequences"],
-                latencies=self.latencies,
+                latencies=self.latencies, loss_tokens=loss_tokens,
             )
             self.records.append(record)
             self.leader.placement_rows.append(record.as_row())
@@ -682,16 +702,17 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
         busy0, idle0 = sum(e.busy_s for e in engines), sum(e.idle_s for e in engines)
         steps0, sequences0 = sum(e.engine_steps for e in engines), sum(e.step_sequences for e in engines)
         tokens = [0] * cfg.gpus  # trained: the kept groups' prompt and response tokens, per GPU
+        response_tokens = 0  # and their response tokens, all GPUs
         kept = generated_groups = rounds = 0
         round_start = start
         while True:
             count = cfg.prompts_per_step - kept  # the whole P first, then what is missing
-            group_tokens: dict[str, tuple[int, int]] = {}  # group -> (GPU, tokens)
+            group_tokens: dict[str, tuple[int, int, int]] = {}  # group -> (GPU, tokens, response tokens)
             round_draws = list(range(draws, draws + count))
             draws += count
             for prompt, draw in enumerate(round_draws):
                 rank, group = prompt % cfg.gpus, f"g{draw}"
-                group_tokens[group] = (rank, 0)
+                group_tokens[group] = (rank, 0, 0)
                 prompt_ids = [0] * workload.prompt_tokens
                 for k, target in enumerate(workload.group_lengths(rng, step - 1, cfg.group_size)):
                     engines[rank].add(Request(f"{group}/{k}", prompt_ids, workload.max_tokens, k,
@@ -700,14 +721,17 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
                 engine.clock = round_start
                 while engine.num_active:
                     for req in engine.step():
-                        rank, so_far = group_tokens[req.meta["group"]]
-                        group_tokens[req.meta["group"]] = (rank, so_far + len(req.prompt_ids) + len(req.output_ids))
+                        rank, so_far, response = group_tokens[req.meta["group"]]
+                        group_tokens[req.meta["group"]] = (
+                            rank, so_far + len(req.prompt_ids) + len(req.output_ids), response + len(req.output_ids),
+                        )
             generated = max(engine.clock for engine in engines)
             generated_groups += count
             for draw in round_draws:
                 if not cfg.dynamic_sampling or workload.has_signal(cfg.seed, draw):
-                    rank, group_total = group_tokens[f"g{draw}"]
+                    rank, group_total, group_response = group_tokens[f"g{draw}"]
                     tokens[rank] += group_total
+                    response_tokens += group_response
                     kept += 1
             if not cfg.dynamic_sampling or kept >= cfg.prompts_per_step or rounds == MAX_EXTRA_BATCHES:
                 break
@@ -728,9 +752,9 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
             rollout_busy_s=sum(e.busy_s for e in engines) - busy0, rollout_idle_s=sum(e.idle_s for e in engines) - idle0,
             engine_steps=sum(e.engine_steps for e in engines) - steps0,
             step_sequences=sum(e.step_sequences for e in engines) - sequences0,
-            placement=placement_name(1, cfg.gpus, 0),
+            placement=placement_name(1, cfg.gpus, 0), loss_tokens=response_tokens,
         ))
-    return summarize(records, cfg.warmup_steps, [])
+    return dict(summarize(records, cfg.warmup_steps, []), evicted_fraction=0.0)  # (every group generated is trained)
 
 
 def simulate(cfg: SimConfig, profile: CostProfile, workload: Workload) -> dict:

@@ -1,0 +1,83 @@
+"""``python -m reflow.sim predict``: a config that has not run, predicted from its own settings."""
+
+import json
+
+import pytest
+
+from reflow.config import ConfigManager
+from reflow.sim.predict import PREDICTED, predict, sim_config, workload_of, world_of
+from reflow.sim.profiles import TINY_CPU
+
+
+def _config(*args):
+    return ConfigManager().parse_args(list(args))
+
+
+def test_every_setting_the_simulator_models_comes_from_the_config():
+    cfg = _config(
+        "--config", "train_configs/bench_rollout_bound.toml", "--training.prompts_per_step=6", "--training.group_size=4",
+        "--replay.sigma=0.25", "--replay.tau=0.75", "--replay.delta=3", "--replay.strict_window=true",
+        "--weight_sync.interval=1", "--rollout.b_max=12", "--scheduler.adaptive_concurrency=true",
+        "--scheduler.kv_admission=true", "--scheduler.rho=0.8", "--scheduler.adaptive_placement=true",
+        "--scheduler.cooldown_steps=3", "--scheduler.margin=0.2", "--scheduler.horizon_steps=11",
+        "--reward.dynamic_sampling=true", "--job.seed=7", "--placement.trainer_shard_degree=1",
+        "--placement.trainer_replicate_degree=2", "--placement.num_rollout_ranks=2",
+    )
+    assert world_of(cfg) == 4
+    sim = sim_config(cfg, 4, steps=9, warmup_steps=2)
+    assert (sim.mode, sim.gpus, sim.replicas, sim.shard_degree, sim.batch) == ("reflow", 4, 2, 1, 24)
+    assert (sim.sigma, sim.tau, sim.delta, sim.strict_window, sim.interval, sim.b_max) == (0.25, 0.75, 3, True, 1, 12)
+    assert (sim.adaptive_concurrency, sim.kv_admission, sim.rho, sim.adaptive_placement) == (True, True, 0.8, True)
+    assert (sim.cooldown_steps, sim.margin, sim.horizon_steps, sim.dynamic_sampling, sim.seed) == (3, 0.2, 11, True, 7)
+    # sync is colocated and on-policy whatever the file says; the scheduler's rollout parts are not its own
+    on_policy = sim_config(cfg, 4, steps=9, warmup_steps=2, mode="sync")
+    assert (on_policy.replicas, on_policy.interval, on_policy.kv_admission, on_policy.adaptive_placement) == (4, 1, False, False)
+
+
+def test_the_engines_kv_cache_comes_from_the_config_and_bounds_the_prediction():
+    """The rollout-bound bench's 10 blocks of 32 tokens, against the same config with the profile's cache: the
+    bounded engines run fewer sequences at once and preempt, so fewer tokens/s and a trainer that waits longer
+    (the simulation is deterministic: fixed seeds, no clock)."""
+    bound = _config("--config", "train_configs/bench_rollout_bound.toml", "--training.mode=async")
+    free = _config("--config", "train_configs/bench_rollout_bound.toml", "--training.mode=async", "--rollout.num_kv_blocks=0")
+    workload = workload_of(bound, ".")
+    tight = predict(bound, 2, TINY_CPU, workload, steps=16, warmup_steps=3)
+    roomy = predict(free, 2, TINY_CPU, workload, steps=16, warmup_steps=3)
+    assert tight["simulation"]["preemptions"] > 0 == roomy["simulation"]["preemptions"]
+    assert tight["predicted"]["tokens_per_s"] < roomy["predicted"]["tokens_per_s"]
+    assert tight["predicted"]["trainer_wait_ratio"] > roomy["predicted"]["trainer_wait_ratio"]
+    assert set(tight["predicted"]) == set(PREDICTED)
+
+
+def test_reflow_replays_and_counts_replayed_tokens_at_tau():
+    cfg = _config("--config", "train_configs/bench_rollout_bound.toml")
+    run = predict(cfg, 2, TINY_CPU, workload_of(cfg, "."), steps=24, warmup_steps=3)["predicted"]
+    assert 0 < run["replay_fraction"] <= cfg.replay.sigma
+    assert run["loss_tokens_per_s"] < run["tokens_per_s"]  # prompts and tau-weighted replays carry less
+
+
+def test_a_task_whose_rows_the_simulator_cannot_read_names_the_file(tmp_path):
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "answer": "1"}) + "\n")
+    cfg = _config("--config", "train_configs/bench_modes.toml", f"--task.train_file={rows}")
+    with pytest.raises(ValueError, match=r"task.train_file = .*chat.jsonl.*--workload"):
+        workload_of(cfg, ".")
+    assert workload_of(cfg, ".", named="reasoning-drift").name == "reasoning-drift"
+
+
+def test_the_command_predicts_every_mode_with_overrides_and_refuses_what_it_cannot_read(tmp_path, capsys):
+    from reflow.sim.__main__ import main
+
+    out = tmp_path / "predict.json"
+    args = ["predict", "--config", "train_configs/bench_rollout_bound.toml", "--world", "2", "--mode", "all",
+            "--steps", "12", "--warmup-steps", "2", "--out", str(out), "--replay.delta=3"]
+    assert main(args) == 0
+    written = json.loads(out.read_text())
+    assert written["overrides"] == ["--replay.delta=3"] and set(written["modes"]) == {"sync", "one_step_off", "async", "reflow"}
+    assert all(set(run["predicted"]) == set(PREDICTED) for run in written["modes"].values())
+    # the placement leaves the world to torchrun: the command asks for it, naming the key
+    assert main(["predict", "--config", "train_configs/bench_rollout_bound.toml", "--out", str(out)]) == 2
+    assert "placement.trainer_shard_degree" in capsys.readouterr().err
+    assert main(["predict", "--config", "train_configs/bench_rollout_bound.toml", "--world", "2", "--replay.sigma=2"]) == 2
+    assert "replay.sigma" in capsys.readouterr().err
+    assert main(["validate", "--fit-on", "nonsense"]) == 2
