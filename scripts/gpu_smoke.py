@@ -170,7 +170,8 @@ def main() -> int:
         @stage("sync-mode")
         def _():
             out = os.path.join(os.environ.get("TMPDIR", "/tmp"), "reflow_gpu_smoke")
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "GROUP_"))}
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("RANK", "LOCAL_", "WORLD_", "MASTER_", "TORCHELASTIC", "GROUP_"))}
             proc = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "reflow.train",
                  "--config", "train_configs/tiny.toml", "--training.steps=5", f"--job.dump_folder={out}",
@@ -197,7 +198,8 @@ def main() -> int:
             engine.wake_up()
             free_again = torch.cuda.mem_get_info()[0]
             assert free_asleep > free_awake and free_again < free_asleep, (free_awake, free_asleep, free_again)
-            return f"sleep freed {(free_asleep - free_awake) / 2**20:.0f} MiB, wake took {(free_asleep - free_again) / 2**20:.0f} MiB"
+            return (f"sleep freed {(free_asleep - free_awake) / 2**20:.0f} MiB, "
+                    f"wake took {(free_asleep - free_again) / 2**20:.0f} MiB")
 
         @stage("weights")
         def _():

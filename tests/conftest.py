@@ -30,7 +30,8 @@ def run_torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | No
         PYTHONPATH=ROOT + os.pathsep + full_env.get("PYTHONPATH", ""),
     )
     full_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+           *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         tail = (proc.stdout[-4000:] + "\n---stderr---\n" + proc.stderr[-8000:])

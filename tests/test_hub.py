@@ -59,7 +59,8 @@ def test_a_model_and_a_dataset_by_hub_id_load_offline_from_the_cache(offline_cac
     env, snapshot = offline_cache
     proc = _python(env, "from reflow.hub import resolve_model; from reflow.tasks import load_problems\n"
                         "print(resolve_model('reflow-test/tiny-qwen3', 'model.hf_checkpoint'))\n"
-                        "print(len(load_problems('reflow-test/chain-sum:train')), len(load_problems('assets/data/chain_sum_train.jsonl')))")
+                        "print(len(load_problems('reflow-test/chain-sum:train')), "
+                        "len(load_problems('assets/data/chain_sum_train.jsonl')))")
     assert proc.returncode == 0, proc.stderr[-2000:]
     folder, counts = proc.stdout.split("\n")[:2]
     assert os.path.samefile(folder, snapshot)

@@ -33,7 +33,8 @@ def _package_imports() -> dict[str, set[str]]:
                 if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for inner in ast.walk(node)
             }
             for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("reflow.") and id(node) not in annotation_only:
+                from_reflow = isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("reflow.")
+                if from_reflow and id(node) not in annotation_only:
                     target = node.module.split(".")[1]
                     if target != source:
                         edges.setdefault(source, set()).add(target)

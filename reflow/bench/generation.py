@@ -3,9 +3,11 @@
     python -m reflow.bench generation [--out outputs/bench/generation.json] [--parts both|controller|kv] [--rho 0.9]
 
 One process, one vLLM engine (the tiny recipe) with a small KV cache (``--kv-blocks`` blocks of
-``--block-size`` tokens, vLLM's num_gpu_blocks_override: 400 x 32 = 12.8k tokens, about 45 sequences of average length), and a workload
+``--block-size`` tokens, vLLM's num_gpu_blocks_override: 400 x 32 = 12.8k tokens, about 45 sequences of average
+length), and a workload
 that pressures it: 768 requests in groups of 4 samples of one 200-token prompt, response lengths drawn from a
-long-tailed log-normal (median 64 tokens, sigma 0.8, capped at 300), generated to exactly that length. The same requests run twice, in turn, through the rollout worker's admission gate
+long-tailed log-normal (median 64 tokens, sigma 0.8, capped at 300), generated to exactly that length. The same
+requests run twice, in turn, through the rollout worker's admission gate
 (``reflow.rollout.admission``) with a backlog that always has the next group ready:
 
   fixed     the cap is rollout.max_num_seqs (--max-num-seqs), as without the scheduler: vLLM's own scheduler
@@ -35,7 +37,8 @@ import sys
 import time
 
 
-def workload(num_requests: int, group_size: int, prompt_tokens: int, median_tokens: int, max_tokens: int, vocab_size: int, seed: int):
+def workload(num_requests: int, group_size: int, prompt_tokens: int, median_tokens: int, max_tokens: int, vocab_size: int,
+             seed: int):
     """(group id, prompt ids, response length) per request; one prompt per group; log-normal lengths (sigma 0.8)."""
     rng = random.Random(seed)
     out = []
@@ -90,7 +93,8 @@ def run(engine, cfg, requests, group_size: int, label: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m reflow.bench generation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m reflow.bench generation", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["generation"])
     ap.add_argument("--out", default="outputs/bench/generation.json")
     ap.add_argument("--requests", type=int, default=768)
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe("tiny")
     engine = RolloutEngine(cfg, recipe, resolve_path(recipe.hf_checkpoint), seed=args.seed)
     requests = workload(
-        args.requests, args.group_size, args.prompt_tokens, args.median_tokens, args.max_tokens, recipe.architecture.vocab_size, args.seed
+        args.requests, args.group_size, args.prompt_tokens, args.median_tokens, args.max_tokens, recipe.architecture.vocab_size,
+        args.seed
     )
     # warm-up: a few groups, so neither run pays the first steps' one-time costs
     run(engine, cfg, requests[: 4 * args.group_size], args.group_size, "warmup")
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=2)
     for name in ("fixed", "adaptive"):
         r = result[name]
-        print(f"{name:9s} {r['gen_tokens_per_s']:8.0f} tok/s  preemptions {r['preemptions']:5d}  kv usage {r['kv_usage_mean']:.2f}  "
+        print(f"{name:9s} {r['gen_tokens_per_s']:8.0f} tok/s  preemptions {r['preemptions']:5d}  "
+              f"kv usage {r['kv_usage_mean']:.2f}  "
               f"in flight {r['mean_in_flight']:.1f}")
     print(f"adaptive / fixed = {speedup:.2f}x (target >= 1.10); wrote {args.out}")
     return 0

@@ -288,7 +288,8 @@ def targets(modes: dict, paired: dict) -> dict:
         if baselines:
             best = max(baselines, key=lambda m: modes[m][key])
             ratio = reflow[key] / max(modes[best][key], 1e-9)
-            result[f"{key}_vs_best_baseline"] = {"best": best, "ratio": ratio, "target": SPEEDUP_TARGET, "met": ratio >= SPEEDUP_TARGET}
+            result[f"{key}_vs_best_baseline"] = {"best": best, "ratio": ratio, "target": SPEEDUP_TARGET,
+                                                 "met": ratio >= SPEEDUP_TARGET}
     if "async" in modes:
         ratio = reflow["fresh_samples_per_s"] / max(modes["async"]["fresh_samples_per_s"], 1e-9)
         result["fresh_samples_per_s_vs_async"] = {"ratio": ratio, "target": 0.95, "met": ratio >= 0.95}
@@ -316,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m reflow.bench", *argv])
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="python -m reflow.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m reflow.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["modes"])
     ap.add_argument("--config", default="train_configs/bench_modes.toml")
     ap.add_argument("--modes", default=",".join(MODES))
@@ -353,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     print("[bench] scoring the starting checkpoint ...", file=sys.stderr, flush=True)
-    start_eval = evaluate_policy(os.path.join(ROOT, "assets", "tiny-qwen3"), env, args.config, args.eval_prompts, args.eval_samples)
+    start_eval = evaluate_policy(os.path.join(ROOT, "assets", "tiny-qwen3"), env, args.config, args.eval_prompts,
+                                 args.eval_samples)
     per_seed: dict[str, list[dict]] = {mode: [] for mode in modes}
     rows_seed0: dict[str, list[dict]] = {}
     for seed in seeds:
@@ -435,7 +438,9 @@ def finish(result: dict, out: str, rows_seed0: dict[str, list[dict]]) -> int:
     others = [m for m in result["modes"] if m != "reflow"]
     if "reflow" in result["modes"] and others:
         best = max(others, key=lambda m: result["modes"][m]["tokens_per_s"])
-        result["reflow_speedup_vs_best_other"] = result["modes"]["reflow"]["tokens_per_s"] / max(result["modes"][best]["tokens_per_s"], 1e-9)
+        result["reflow_speedup_vs_best_other"] = (
+            result["modes"]["reflow"]["tokens_per_s"] / max(result["modes"][best]["tokens_per_s"], 1e-9)
+        )
         result["best_other_mode"] = best
         best_reward = max(others, key=lambda m: result["modes"][m]["eval_reward_at_equal_time"])
         result["best_other_mode_by_eval_reward"] = best_reward
@@ -476,7 +481,9 @@ def write_png(path: str, result: dict, rows: dict[str, list[dict]]) -> None:
     curve.grid(alpha=0.3)
     curve.legend()
     modes = result["modes"]
-    evals = {"start": {"eval reward": result["start_eval_reward"]}} | {m: {"eval reward": s["eval_reward_at_equal_time"]} for m, s in modes.items()}
+    evals = {"start": {"eval reward": result["start_eval_reward"]}} | {
+        m: {"eval reward": s["eval_reward_at_equal_time"]} for m, s in modes.items()
+    }
     spread = {"start": {"eval reward": 0.0}} | {
         m: {"eval reward": s.get("eval_reward_at_equal_time_spread", {}).get("std", 0.0)} for m, s in modes.items()
     }
@@ -493,7 +500,8 @@ def format_table(result: dict) -> str:
         f"{'mode':<13}{'steps':>6}{'tok/s':>14}{'loss tok/s':>11}{'fresh/s':>12}{'eval R@eq-t':>16}{'evicted':>9}"
         f"{'trn idle':>9}{'(stall)':>8}{'roll idle':>10}{'replay':>7}  survival by length decile (short -> long)"
     )
-    lines = [f"starting checkpoint eval reward: {result['start_eval_reward']:.3f}; {result['seeds']} seed(s)", head, "-" * len(head)]
+    lines = [f"starting checkpoint eval reward: {result['start_eval_reward']:.3f}; {result['seeds']} seed(s)", head,
+             "-" * len(head)]
     for mode, s in result["modes"].items():
         sd = lambda key: s[f"{key}_spread"]["std"]  # noqa: E731
         survival = " ".join(f"{x:.2f}" for x in s.get("survival_by_length_decile", []))

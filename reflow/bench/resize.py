@@ -121,7 +121,8 @@ def worker(out_path: str, deep_layers: int, scratch: str) -> None:
         trainer.load_state_dict(state["trainer"])
     rebuild_s = slowest(t2)
     report["cold_restart_s"] = slowest(t0)
-    report["cold_restart_parts_s"] = {"checkpoint_save": save_s, "engine_rebuild": engine_s, "trainer_rebuild_and_load": rebuild_s}
+    report["cold_restart_parts_s"] = {"checkpoint_save": save_s, "engine_rebuild": engine_s,
+                                      "trainer_rebuild_and_load": rebuild_s}
 
     # 3. the shard transfer alone, per tensor and bucketized, on a deep model
     arch = dataclasses.replace(recipe.architecture, n_layers=deep_layers)
@@ -160,7 +161,8 @@ def worker(out_path: str, deep_layers: int, scratch: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m reflow.bench resize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m reflow.bench resize", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["resize"])
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--deep-layers", type=int, default=24)

@@ -66,7 +66,8 @@ def measure(sandbox, calls: int, threads: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m reflow.bench sandbox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m reflow.bench sandbox", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["sandbox"])
     ap.add_argument("--calls", type=int, default=100, help="calls of each program per configuration and mode")
     ap.add_argument("--threads", type=int, default=8)

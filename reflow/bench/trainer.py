@@ -131,7 +131,8 @@ def worker(out_path: str, steps: int, deep_dir: str, deep_layers: int) -> None:
             mine = slice(rank * SEQUENCES // 2, (rank + 1) * SEQUENCES // 2)
             batch = pack(
                 prompts[mine].tolist(), responses[mine].tolist(), [[-1.0] * RESPONSE] * (SEQUENCES // 2),
-                [[0] * RESPONSE] * (SEQUENCES // 2), advantages[mine].tolist(), [1.0] * (SEQUENCES // 2), [0.0] * (SEQUENCES // 2), 0,
+                [[0] * RESPONSE] * (SEQUENCES // 2), advantages[mine].tolist(), [1.0] * (SEQUENCES // 2),
+                [0.0] * (SEQUENCES // 2), 0,
             )
 
             def median_step_s(policy: PolicyTrainer) -> float:
@@ -194,7 +195,8 @@ def worker(out_path: str, steps: int, deep_dir: str, deep_layers: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m reflow.bench trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m reflow.bench trainer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["trainer"])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--deep-layers", type=int, default=24)
@@ -246,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"trainer: reflow {result['reflow_tokens_per_s']:.0f} tok/s vs plain torch {plain['tokens_per_s']:.0f} tok/s = {ratio:.2f}x (target >= 0.7); "
+    print(f"trainer: reflow {result['reflow_tokens_per_s']:.0f} tok/s vs plain torch {plain['tokens_per_s']:.0f} tok/s = "
+          f"{ratio:.2f}x (target >= 0.7); "
           f"compiled {result['reflow_compiled_tokens_per_s']:.0f} tok/s")
     for label, entry in result["weight_sync"].items():
-        print(f"weight sync {label:5s} ({entry['tensors']} tensors, {entry['bytes'] / 2**20:.1f} MiB): {entry['weight_sync_s'] * 1000:.1f} ms "
+        print(f"weight sync {label:5s} ({entry['tensors']} tensors, {entry['bytes'] / 2**20:.1f} MiB): "
+              f"{entry['weight_sync_s'] * 1000:.1f} ms "
               f"vs bound {entry['weight_sync_bound_s'] * 1000:.1f} ms = {entry['vs_bound']:.1f}x (target <= 3)")
     print(f"wrote {args.out}")
     return 0

@@ -34,7 +34,10 @@ class Limit:
         if self.choices is not None:
             if value in self.choices:
                 return None
-            allowed = " or ".join(repr(c) for c in self.choices) if len(self.choices) == 2 else f"one of {', '.join(self.choices)}"
+            allowed = (
+                " or ".join(repr(c) for c in self.choices) if len(self.choices) == 2
+                else f"one of {', '.join(self.choices)}"
+            )
             return self._said(f"must be {allowed}, got {value!r}")
         low_ok = (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
         high_ok = (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
@@ -389,7 +392,8 @@ class ReplaySection:
         if self.filter not in FILTERS:
             out.append(("filter", f"must be one of {', '.join(FILTERS)}, got {self.filter!r}"))
         if self.filter_reward_low > self.filter_reward_high:
-            out.append(("filter_reward_low", f"({self.filter_reward_low}) must be <= replay.filter_reward_high ({self.filter_reward_high})"))
+            out.append(("filter_reward_low",
+                        f"({self.filter_reward_low}) must be <= replay.filter_reward_high ({self.filter_reward_high})"))
         return out
 
 

@@ -70,12 +70,14 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
 
 def _validate_scheduler(cfg: JobConfig, fail) -> None:
     sched, mode = cfg.scheduler, cfg.training.mode
-    for key, on in (("scheduler.adaptive_concurrency", sched.adaptive_concurrency), ("scheduler.kv_admission", sched.kv_admission)):
+    for key, on in (("scheduler.adaptive_concurrency", sched.adaptive_concurrency),
+                    ("scheduler.kv_admission", sched.kv_admission)):
         if on and mode not in ("async", "reflow"):
             fail(
                 key,
                 f"applies to the rollout workers of 'async' and 'reflow' (training.mode = {mode!r}: "
-                + ("one_step_off admits each step's whole window at once by design)" if mode == "one_step_off" else "sync generates each batch whole)"),
+                + ("one_step_off admits each step's whole window at once by design)" if mode == "one_step_off"
+                   else "sync generates each batch whole)"),
             )
     if sched.adaptive_placement:
         if mode != "reflow":
@@ -143,7 +145,8 @@ def parse_schedule(cfg: JobConfig, placement, where=lambda key: "default") -> li
         if not previous_step < step < cfg.training.steps:
             fail(f"entry {text!r}: steps must increase and stay below training.steps = {cfg.training.steps}")
         if step % cfg.weight_sync.interval:
-            fail(f"entry {text!r}: step {step} is not a weight-sync step (a multiple of weight_sync.interval = {cfg.weight_sync.interval})")
+            fail(f"entry {text!r}: step {step} is not a weight-sync step (a multiple of weight_sync.interval = "
+                 f"{cfg.weight_sync.interval})")
         if not 1 <= replicas <= most:
             fail(
                 f"entry {text!r}: {replicas} trainer replicas of {placement.shard_degree} ranks leave no rollout rank "
@@ -285,7 +288,8 @@ def validate_recipe(cfg: JobConfig, recipe, placement, where=lambda key: "defaul
     if cfg.training.param_dtype == "bfloat16" and recipe.device != "cuda":
         warnings.append(
             f"training.param_dtype = 'bfloat16' with recipe {recipe.name}, whose engine runs float32 on CPU: the trainer's "
-            "log-probs then differ from vLLM's by bf16 rounding (behavior_logprob_gap grows), and the importance weights with them"
+            "log-probs then differ from vLLM's by bf16 rounding (behavior_logprob_gap grows), and the importance weights "
+            "with them"
         )
     if recipe.device == "cuda" and cfg.rollout.gpu_memory_utilization > recipe.vllm.gpu_memory_utilization:
         warnings.append(
@@ -309,5 +313,6 @@ def validate_recipe(cfg: JobConfig, recipe, placement, where=lambda key: "defaul
             f"this run uses {tp}"
         )
     if recipe.device == "cuda":
-        warnings.append(f"recipe {recipe.name} is meant for GPUs (vLLM {recipe.vllm.dtype}, TP {par.rollout_tensor_parallel_degree})")
+        warnings.append(f"recipe {recipe.name} is meant for GPUs (vLLM {recipe.vllm.dtype}, "
+                        f"TP {par.rollout_tensor_parallel_degree})")
     return warnings

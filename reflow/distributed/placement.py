@@ -108,7 +108,8 @@ def build_placement(
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if rollout_tp < 1:
-        raise ValueError(f"{where('rollout.tensor_parallel_degree')}: 'rollout.tensor_parallel_degree' must be >= 1, got {rollout_tp}")
+        raise ValueError(f"{where('rollout.tensor_parallel_degree')}: 'rollout.tensor_parallel_degree' must be >= 1, "
+                         f"got {rollout_tp}")
     if rollout_tp > 1 and (world_size % rollout_tp or num_rollout % rollout_tp):
         raise ValueError(
             f"{where('placement.num_rollout_ranks')}: with 'rollout.tensor_parallel_degree' = {rollout_tp}, the world "
@@ -117,24 +118,29 @@ def build_placement(
         )
     if num_rollout < 0 or num_rollout >= world_size:
         raise ValueError(
-            f"{where('placement.num_rollout_ranks')}: 'placement.num_rollout_ranks' = {num_rollout} must be in [0, world size {world_size}) "
+            f"{where('placement.num_rollout_ranks')}: 'placement.num_rollout_ranks' = {num_rollout} must be in "
+            f"[0, world size {world_size}) "
             "(at least one trainer rank is needed)"
         )
     if replicate < 1:
-        raise ValueError(f"{where('placement.trainer_replicate_degree')}: 'placement.trainer_replicate_degree' must be >= 1, got {replicate}")
+        raise ValueError(f"{where('placement.trainer_replicate_degree')}: 'placement.trainer_replicate_degree' must be >= 1, "
+                         f"got {replicate}")
     trainers = world_size - num_rollout
     if shard == -1:
         if trainers % replicate:
             raise ValueError(
-                f"{where('placement.trainer_replicate_degree')}: {trainers} trainer ranks (world {world_size} - {num_rollout} rollout) are not divisible by "
+                f"{where('placement.trainer_replicate_degree')}: {trainers} trainer ranks (world {world_size} - "
+                f"{num_rollout} rollout) are not divisible by "
                 f"'placement.trainer_replicate_degree' = {replicate}"
             )
         shard = trainers // replicate
     if shard < 1:
-        raise ValueError(f"{where('placement.trainer_shard_degree')}: 'placement.trainer_shard_degree' must be >= 1 or -1, got {shard}")
+        raise ValueError(f"{where('placement.trainer_shard_degree')}: 'placement.trainer_shard_degree' must be >= 1 or -1, "
+                         f"got {shard}")
     if replicate * shard + num_rollout != world_size:
         raise ValueError(
-            f"{where('placement.trainer_shard_degree')}: placement does not match the world size: trainer_replicate_degree {replicate} x "
+            f"{where('placement.trainer_shard_degree')}: placement does not match the world size: "
+            f"trainer_replicate_degree {replicate} x "
             f"trainer_shard_degree {shard} + num_rollout_ranks {num_rollout} = {replicate * shard + num_rollout}, "
             f"but torchrun started {world_size} ranks"
         )

@@ -7,7 +7,8 @@ With one, each run gets a cgroup of its own under this process's, holding every 
 are moved in while bwrap waits on ``--block-fd``, before the program is forked):
 
   memory   the run's ``memory_mb`` plus its tmpfs sizes, for the whole run, page cache and tmpfs pages
-           (the working directory, /tmp, /dev/shm) included, and no swap; past it the kernel's OOM killer ends a process of the run, which
+           (the working directory, /tmp, /dev/shm) included, and no swap; past it the kernel's OOM killer ends a process
+           of the run, which
            the parent reads back as ``memory_limit`` from the cgroup's own OOM-kill count
   pids     ``processes`` for the whole run (a fork bomb stops there, whatever user the processes run as)
 

@@ -27,7 +27,8 @@ run is root on the host, in any namespace, at any moment. bwrap gives it:
                sockets) is another namespace's
 
 ``KernelBoundary.for_host()`` finds bwrap and an interpreter the sandbox user can reach, and
-``reflow.envs.sandbox.checked_boundary`` runs one probe sandbox in it; anything missing raises ``SandboxUnavailable``, one line saying what is missing and how to install
+``reflow.envs.sandbox.checked_boundary`` runs one probe sandbox in it; anything missing raises ``SandboxUnavailable``,
+one line saying what is missing and how to install
 it (``reflow.train --check`` prints it before torchrun starts any rank).
 """
 

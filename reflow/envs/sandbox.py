@@ -204,7 +204,8 @@ class Sandbox:
         finally:
             run.end()
         status = outcome.verdict or _status(outcome.exit_code)
-        return SandboxResult(status, outcome.stdout, outcome.stderr, outcome.exit_code, time.perf_counter() - t0, outcome.truncated)
+        return SandboxResult(status, outcome.stdout, outcome.stderr, outcome.exit_code, time.perf_counter() - t0,
+                             outcome.truncated)
 
 
 @functools.lru_cache(maxsize=4)

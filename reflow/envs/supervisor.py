@@ -319,7 +319,8 @@ class RunProcess:
                 except OSError:
                     pass
         if not (gone and self.reaped):
-            logger.warning(f"sandbox: run {self.process.pid if self.process else '?'} not gone {KILL_GRACE_S:.0f}s after SIGKILL; a thread waits")
+            logger.warning(f"sandbox: run {self.process.pid if self.process else '?'} not gone {KILL_GRACE_S:.0f}s "
+                           "after SIGKILL; a thread waits")
             threading.Thread(target=self._finish_later, daemon=True, name="sandbox-teardown").start()
             return
         self._release()

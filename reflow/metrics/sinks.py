@@ -27,7 +27,10 @@ def split_row(row: dict[str, Any]) -> tuple[dict[str, float], dict[str, list[flo
             continue
         if isinstance(value, (int, float)) and math.isfinite(value):
             scalars[key] = float(value)
-        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        elif (
+            isinstance(value, (list, tuple)) and value
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        ):
             if key.endswith("_counts"):
                 series[key] = [float(index) for index, count in enumerate(value) for _ in range(int(count))]
             else:
@@ -84,7 +87,8 @@ class WandbSink:
             with open(id_path, "w") as f:
                 f.write(run_id + "\n")
         self.run = wandb.init(
-            project=settings.project, entity=settings.entity or None, name=settings.run_name or os.path.basename(os.path.abspath(dump_folder)),
+            project=settings.project, entity=settings.entity or None,
+            name=settings.run_name or os.path.basename(os.path.abspath(dump_folder)),
             group=settings.group or None, tags=list(settings.tags) or None, mode=settings.mode, dir=dump_folder,
             id=run_id, resume="allow", config=config, settings=wandb.Settings(silent=True),
         )

@@ -128,7 +128,9 @@ def merge(dump_folder: str, out: str | None = None) -> str:
             event["ts"] -= origin
         if event.get("ph") == "M":  # a resumed run adds a name line per start: keep the last
             names[event["pid"]] = event["args"]["name"]
-    merged = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}} for pid, name in sorted(names.items())]
+    merged = [
+        {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}} for pid, name in sorted(names.items())
+    ]
     merged += sorted((event for event in events if event.get("ph") != "M"), key=lambda event: (event["ts"], event["pid"]))
     out = out or os.path.join(dump_folder, "trace.json")
     with open(out, "w", encoding="utf-8") as f:

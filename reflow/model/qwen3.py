@@ -140,7 +140,8 @@ def check_architecture(recipe: Recipe, cfg) -> list[str]:
         "rope_theta": float(attn.rope.theta),
         "tie_embeddings": bool(cfg.enable_weight_tying),
     }
-    return [f"{key}: recipe {getattr(arch, key)!r} != torchtitan {value!r}" for key, value in built.items() if getattr(arch, key) != value]
+    return [f"{key}: recipe {getattr(arch, key)!r} != torchtitan {value!r}"
+            for key, value in built.items() if getattr(arch, key) != value]
 
 
 def build_on_meta(cfg) -> torch.nn.Module:

@@ -74,7 +74,8 @@ def _section(data: dict, name: str, cls: type, path: str):
     table = data[name]
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - names)
-    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    optional = {f.name for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
     missing = sorted(n for n in names if n not in table and n not in optional | {"architecture", "parallelism", "vllm"})
     if unknown:
         raise ValueError(f"{path}: unknown key(s) in [{name}]: {', '.join(unknown)}")

@@ -314,7 +314,9 @@ class ModeBase:
             "staleness": staleness,
             **({key: getattr(engine_window, field) for key, field in ENGINE_WINDOW_KEYS.items()} if engine_window else {}),
         }, self.trainer_group)
-        longest = reduce_stats({"response_len": max((len(s.output_ids) for s in samples), default=0)}, self.trainer_group, op="max")
+        longest = reduce_stats(
+            {"response_len": max((len(s.output_ids) for s in samples), default=0)}, self.trainer_group, op="max",
+        )
         n = max(summed["samples"], 1.0)
         step_time = timer.elapsed()
         mean = summed["reward"] / n

@@ -225,7 +225,8 @@ class DecoupledMode(ModeBase):
         done = self.role.step(self.version, step, phase=timer)
         trained = done.stats
         self.ledger["steps"].append(
-            {"step": step, "version": done.trained_version, "train_start": trained["train_start"], "train_end": trained["train_end"]}
+            {"step": step, "version": done.trained_version, "train_start": trained["train_start"],
+             "train_end": trained["train_end"]}
         )
         self._drawn = max([self._drawn] + [s.draw + 1 for s in done.fresh])
         self.version, self.steps_done = done.version, step
@@ -370,7 +371,8 @@ class DecoupledMode(ModeBase):
         parts, t0 = self.parts, time.perf_counter()
         plan = ChangePlan.to(self.placement, replicas)
         links = LivePlacementLinks(self.outbox, self.receive, self.flushed, self.settle_moves, parts.world_size)
-        before = RankState(TrainerClock(self.step, self.version, self.steps_done, self._drawn), self.shard, self.shares, self.carried)
+        clock = TrainerClock(self.step, self.version, self.steps_done, self._drawn)
+        before = RankState(clock, self.shard, self.shares, self.carried)
         after, resized = change_placement(plan, self.rank, before, links, parts.engine, parts.trainer,
                                           bucket_bytes=int(parts.cfg.weight_sync.bucket_size_mb * 2**20))
         self.step, self.version, self.steps_done, self._drawn = (

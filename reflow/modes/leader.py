@@ -169,7 +169,9 @@ class Leader:
         (None without a controller)."""
         if self.controller is None:
             return None
-        return {"kind": type(self.controller).__name__, "controller": self.controller.state(), "window": list(self.placement_rows)}
+        return {
+            "kind": type(self.controller).__name__, "controller": self.controller.state(), "window": list(self.placement_rows),
+        }
 
     def load_controller_state(self, state: dict) -> str | None:
         """Take up ``controller_state()`` of the run this one resumes. A controller of another kind (the resumed

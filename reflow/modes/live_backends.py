@@ -50,7 +50,9 @@ class LiveWeightPublisher:
     """The live ``WeightPublisher``: the leader sends SyncWeights to the rollout workers (and, at an evaluation
     interval, expects their scores of the new version); then every trainer rank joins the broadcast."""
 
-    def __init__(self, weight_sync, trainer, engine, leader: Leader | None, control, rollout_workers: list[int], eval_interval: int):
+    def __init__(
+        self, weight_sync, trainer, engine, leader: Leader | None, control, rollout_workers: list[int], eval_interval: int,
+    ):
         self.weight_sync, self.trainer, self.engine = weight_sync, trainer, engine
         self.leader, self.control, self.rollout_workers, self.eval_interval = leader, control, rollout_workers, eval_interval
 

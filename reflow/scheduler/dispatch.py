@@ -237,7 +237,8 @@ class GroupDispatcher:
 
     def choose(self) -> int:
         """The worker the next group goes to."""
-        scored = [(not fits, fraction, self._pending_groups(w), w) for w in range(self.num_rollout) for fraction, fits in [self._projected(w)]]
+        scored = [(not fits, fraction, self._pending_groups(w), w)
+                  for w in range(self.num_rollout) for fraction, fits in [self._projected(w)]]
         return min(scored)[3]
 
     def deal(self, steps_done: int, retired: Sequence[int], filtered: Sequence[int] = ()) -> list[int]:

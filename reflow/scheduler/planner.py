@@ -119,7 +119,8 @@ class WindowMeasurement:
         ]
         changes = [r["transition_s"] for r in rows if "transition" in r]
         arrived = sum(r["received_samples"] for r in steps)
-        arrived_tokens = sum(r["received_samples"] * r.get("received_response_len_mean", r.get("response_len_mean", 0.0)) for r in steps)
+        arrived_tokens = sum(r["received_samples"] * r.get("received_response_len_mean", r.get("response_len_mean", 0.0))
+                             for r in steps)
         length = arrived_tokens / arrived if arrived else 0.0
         useful = sum((r["received_samples"] - r.get("evicted_unused", 0)) for r in steps) * length
         trained = sum(r["fresh_samples"] + r["replayed_samples"] for r in steps)
@@ -263,7 +264,10 @@ class PlacementPlanner:
     def window_rates(window: WindowMeasurement, replicas: int) -> tuple[float, float, float] | None:
         """(p, c, prompt tokens per sample) of one window, or None when it measured too little to tell."""
         working = window.seconds - window.trainer_wait_s
-        if window.steps == 0 or window.rollout_busy_s <= 0 or working <= 0 or window.useful_tokens <= 0 or not window.trained_samples:
+        if (
+            window.steps == 0 or window.rollout_busy_s <= 0 or working <= 0 or window.useful_tokens <= 0
+            or not window.trained_samples
+        ):
             return None
         prompt = max(window.trained_tokens / window.trained_samples - window.length_mean, 0.0)
         return window.useful_tokens / window.rollout_busy_s, window.trained_tokens / working / replicas, prompt
@@ -361,7 +365,8 @@ class PlacementPlanner:
         if idle_side is not None and chosen.throughput > current.throughput and not reverses:
             return PlacementDecision(
                 step, replicas, chosen.replicas,
-                f"{summary}; the {idle_side} side idled above {settings.idle_threshold} for {self.idle_streak[idle_side]} windows",
+                f"{summary}; the {idle_side} side idled above {settings.idle_threshold} for "
+                f"{self.idle_streak[idle_side]} windows",
                 **detail,
             )
         margin = 2 * settings.margin if reverses else settings.margin

@@ -24,7 +24,8 @@ def _sandbox(section: "TaskSection"):
     except NoCgroup as error:
         raise NoCgroup(f"task.name = {section.name!r} runs model-written code in a sandbox: {error}") from None
     except SandboxUnavailable as error:
-        raise SandboxUnavailable(f"task.name = {section.name!r} runs model-written code in a sandbox: {error} ({OPT_OUT})") from None
+        raise SandboxUnavailable(f"task.name = {section.name!r} runs model-written code in a sandbox: {error} "
+                                 f"({OPT_OUT})") from None
 
 
 def _chain_sum(section):

@@ -108,7 +108,10 @@ def _verl_row(row: dict, default_id: str) -> Problem:
     if not isinstance(messages, list) or not messages:
         raise RowError(f"field 'prompt' must be a non-empty list of chat messages, got {messages!r}")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+        if (
+            not isinstance(message, dict) or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
             raise RowError(f"field 'prompt'[{i}] must be a message {{'role': str, 'content': str}}, got {message!r}")
         if message["role"] == "user" and not message["content"].strip():
             raise RowError(f"field 'prompt'[{i}] is an empty user message")
@@ -159,7 +162,8 @@ def _apps_row(row: dict) -> Problem:
     for i, (stdin, stdout) in enumerate(zip(tests["inputs"], tests["outputs"])):
         if entry_point:  # call-based: the arguments and the expected result, as JSON
             if not isinstance(stdin, list):
-                raise RowError(f"field 'input_output' test {i}: call-based inputs must be a list of arguments, got {type(stdin).__name__}")
+                raise RowError(f"field 'input_output' test {i}: call-based inputs must be a list of arguments, "
+                               f"got {type(stdin).__name__}")
             pairs.append((json.dumps(stdin), json.dumps(stdout)))
             continue
         if isinstance(stdin, list):
@@ -167,7 +171,8 @@ def _apps_row(row: dict) -> Problem:
         if isinstance(stdout, list):
             stdout = "\n".join(map(str, stdout))
         if not isinstance(stdin, str) or not isinstance(stdout, str):
-            raise RowError(f"field 'input_output' test {i}: input and output must be text, got {type(stdin).__name__}, {type(stdout).__name__}")
+            raise RowError(f"field 'input_output' test {i}: input and output must be text, "
+                           f"got {type(stdin).__name__}, {type(stdout).__name__}")
         pairs.append((stdin, stdout))
     solutions = _json_field(row, "solutions") or []
     if not isinstance(solutions, list):

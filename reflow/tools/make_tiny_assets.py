@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
             greedy = sampled_reward(model, tok, probe, 48, gen, greedy=True)
             sampled = sampled_reward(model, tok, probe, 48, gen)
             history.append({"step": step, "loss": round(loss.item(), 4), "greedy_reward": greedy, "sampled_reward": sampled})
-            print(f"sft step {step} loss {loss.item():.4f} greedy {greedy:.3f} sampled {sampled:.3f} ({time.time() - t0:.0f}s)", flush=True)
+            print(f"sft step {step} loss {loss.item():.4f} greedy {greedy:.3f} sampled {sampled:.3f} "
+                  f"({time.time() - t0:.0f}s)", flush=True)
     # 4. under-confident warm start: scale the output head down until the sampled reward is at the target
     head = model.lm_head.weight
     original = head.detach().clone()

@@ -75,18 +75,21 @@ def demonstration(problem, kind: str, rng: random.Random, noise: float, copy_noi
         expression = problem.prompt.rstrip("=")
         total = evaluate(expression)
         if kind == "code":
-            return [(with_instructions(CODE_INSTRUCTIONS, problem), False), (f"<code>print({corrupt(expression, rng, copy_noise)})</code>", True)]
+            return [(with_instructions(CODE_INSTRUCTIONS, problem), False),
+                    (f"<code>print({corrupt(expression, rng, copy_noise)})</code>", True)]
         wrong = corrupt(expression, rng, 0.3)
         got = evaluate(wrong)
         if got == total:
             return [(with_instructions(CODE_INSTRUCTIONS, problem), False), (f"<code>print({wrong})</code>", True)]
         report = TestReport(0, 1, failure_line(0, "", f"{total}\n", f"{got}\n"))
-        return [(with_instructions(CODE_INSTRUCTIONS, problem), False), (f"<code>print({wrong})</code>", True), (feedback(report), False),
+        return [(with_instructions(CODE_INSTRUCTIONS, problem), False), (f"<code>print({wrong})</code>", True),
+                (feedback(report), False),
                 (f"<code>print({corrupt(expression, rng, copy_noise)})</code>", True)]
     assert kind == "calc_tool", kind
     expression = corrupt(problem.prompt.rstrip("="), rng, copy_noise)
     value = evaluate(expression)
-    return [(prompt, False), (f"<calc>{expression}</calc>", True), (f"<result>{value}</result>\n", False), (f"\\boxed{{{value}}}", True)]
+    return [(prompt, False), (f"<calc>{expression}</calc>", True), (f"<result>{value}</result>\n", False),
+            (f"\\boxed{{{value}}}", True)]
 
 
 def batch(tok, segments_list: list[list[tuple[str, bool]]]):
@@ -134,14 +137,17 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(generate(2048, args.seed + 11, CALC_SPEC, "calc"), os.path.join(data_dir, "chain_sum_calc_train.jsonl"))
     write_jsonl(generate(256, args.seed + 12, CALC_SPEC, "calc-eval"), os.path.join(data_dir, "chain_sum_calc_eval.jsonl"))
     write_code_problems(generate(2048, args.seed + 15, CALC_SPEC, "code"), os.path.join(data_dir, "chain_sum_code_train.jsonl"))
-    write_code_problems(generate(256, args.seed + 16, CALC_SPEC, "code-eval"), os.path.join(data_dir, "chain_sum_code_eval.jsonl"))
+    write_code_problems(generate(256, args.seed + 16, CALC_SPEC, "code-eval"),
+                        os.path.join(data_dir, "chain_sum_code_eval.jsonl"))
     short = generate(4096, args.seed + 13, ChainSumSpec(), "tools-sft")
     long = generate(4096, args.seed + 14, CALC_SPEC, "tools-sft-calc")
     # copying a chain (into a call, into a program) is the hard skill for a 4-layer model: it gets the most
     kinds = ["plain"] + ["boxed"] * 2 + ["calc_direct"] + ["calc_tool"] * 3 + ["code"] * 2 + ["code_revised"]
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.95 + 0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)) * 0.95 + 0.05
+    )
     rng = random.Random(args.seed)
     history, t0 = [], time.time()
     model.train()

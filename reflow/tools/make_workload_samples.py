@@ -22,7 +22,8 @@ BOXED = " Reason step by step, then give the final answer in \\boxed{}."
 
 MATH_PROBLEMS = [
     # (data_source, problem, answer)
-    ("sample/gsm8k", "A baker fills 7 trays with 12 muffins each and keeps 9 muffins for herself. How many muffins does she sell?", "75"),
+    ("sample/gsm8k", "A baker fills 7 trays with 12 muffins each and keeps 9 muffins for herself. How many muffins does "
+                     "she sell?", "75"),
     ("sample/dapo-math", "What is the remainder when $2^{10}$ is divided by $7$?", "2"),
     ("sample/dapo-math", "Find the sum of all positive divisors of $36$.", "91"),
     ("sample/gsm8k", "Tom has 3 times as many marbles as Ann, and together they have 48. How many marbles does Tom have?", "36"),
@@ -51,7 +52,8 @@ APPS_PROBLEMS = [
     {
         "question": "Read n and print the first n lines of FizzBuzz: Fizz for multiples of 3, Buzz for multiples of 5, "
                     "FizzBuzz for both, the number otherwise.",
-        "tests": [("5\n", "1\n2\nFizz\n4\nBuzz\n"), ("15\n", "1\n2\nFizz\n4\nBuzz\nFizz\n7\n8\nFizz\nBuzz\n11\nFizz\n13\n14\nFizzBuzz\n")],
+        "tests": [("5\n", "1\n2\nFizz\n4\nBuzz\n"),
+                  ("15\n", "1\n2\nFizz\n4\nBuzz\nFizz\n7\n8\nFizz\nBuzz\n11\nFizz\n13\n14\nFizzBuzz\n")],
         "solution": "n = int(input())\nfor i in range(1, n + 1):\n    print('FizzBuzz' if i % 15 == 0 else 'Fizz' if i % 3 == 0 "
                     "else 'Buzz' if i % 5 == 0 else i)\n",
     },
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     with open(os.path.join(args.out, "apps_sample.jsonl"), "w", encoding="utf-8") as f:
         for row in apps_rows():
             f.write(json.dumps(row) + "\n")
-    print(f"wrote {args.out}/math_sample.parquet ({len(MATH_PROBLEMS)} rows) and {args.out}/apps_sample.jsonl ({len(APPS_PROBLEMS)} rows)")
+    print(f"wrote {args.out}/math_sample.parquet ({len(MATH_PROBLEMS)} rows) and "
+          f"{args.out}/apps_sample.jsonl ({len(APPS_PROBLEMS)} rows)")
 
 
 if __name__ == "__main__":

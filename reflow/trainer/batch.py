@@ -70,7 +70,10 @@ def pack(
     for i, (p, c, lp, v) in enumerate(zip(prompts, completions, behavior_logprobs, versions)):
         spans = model_spans[i] if model_spans is not None else [[0, len(c)]]
         # the target columns of the model's tokens: completion token j is predicted at column len(p) - 1 + j
-        columns = torch.cat([torch.arange(start, end) for start, end in spans]) + len(p) - 1 if spans else torch.zeros(0, dtype=torch.long)
+        columns = (
+            torch.cat([torch.arange(start, end) for start, end in spans]) + len(p) - 1 if spans
+            else torch.zeros(0, dtype=torch.long)
+        )
         assert len(columns) == len(lp) == len(v), "one behavior log-prob and version per model token"
         assert all(0 <= start <= end <= len(c) for start, end in spans), "model spans inside the completion"
         row = p + c

@@ -144,7 +144,8 @@ def test_sync_mode_rejects_rollout_only_ranks():
 
 def test_decoupled_delta_must_cover_the_sync_interval():
     m = ConfigManager()
-    cfg = m.parse_args(["--training.mode=reflow", "--placement.num_rollout_ranks=1", "--replay.delta=1", "--weight_sync.interval=2"])
+    cfg = m.parse_args(["--training.mode=reflow", "--placement.num_rollout_ranks=1", "--replay.delta=1",
+                        "--weight_sync.interval=2"])
     validate(cfg, m.where)
     with pytest.raises(ConfigError, match="replay.delta"):
         validate_world(cfg, 2, m.where)
@@ -270,7 +271,8 @@ def test_bad_placement_schedules_are_rejected_before_ranks_start(schedule, words
 
 
 def test_placement_schedule_needs_reflow_mode():
-    base = ["--placement.num_rollout_ranks=2", "--placement.trainer_replicate_degree=2", '--placement.schedule=["2:1"]', "--weight_sync.interval=1"]
+    base = ["--placement.num_rollout_ranks=2", "--placement.trainer_replicate_degree=2", '--placement.schedule=["2:1"]',
+            "--weight_sync.interval=1"]
     cfg = ConfigManager().parse_args(["--training.mode=async", *base])
     with pytest.raises(ConfigError, match="'reflow' mode only"):
         parse_schedule(cfg, validate_world(cfg, 4))

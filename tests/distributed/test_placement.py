@@ -60,7 +60,8 @@ def test_a_placement_name_reads_back_as_it_was_written():
 
     for replicas, shard, rollout, tp in [(2, 1, 2, 1), (1, 2, 0, 1), (3, 8, 5, 1), (2, 1, 4, 2)]:
         parsed = parse_placement_name(placement_name(replicas, shard, rollout, tp))
-        assert (parsed.replicate_degree, parsed.shard_degree, parsed.num_rollout_ranks, parsed.rollout_tp) == (replicas, shard, rollout, tp)
+        assert ((parsed.replicate_degree, parsed.shard_degree, parsed.num_rollout_ranks, parsed.rollout_tp)
+                == (replicas, shard, rollout, tp))
         assert parsed.name == placement_name(replicas, shard, rollout, tp)
     assert parse_placement_name("T3x8+R5").num_trainer_ranks == 24
     assert parse_placement_name("T1x2+R0").world_size == 2 and parse_placement_name("T2x1+R2").world_size == 4

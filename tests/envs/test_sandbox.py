@@ -151,7 +151,8 @@ class Host:
     def check(self, reply: str) -> None:
         """The host is as it was; the reply leaks nothing."""
         assert self._listing() == self.files, "a host file was created, changed or removed"
-        assert not any(self.mark in name for name in os.listdir("/tmp") if not name.startswith("reflow-battery-")), "a file appeared in host /tmp"
+        assert not any(self.mark in name for name in os.listdir("/tmp")
+                       if not name.startswith("reflow-battery-")), "a file appeared in host /tmp"
         assert self.secret not in reply and self.env_secret not in reply, "a secret came back"
         assert self.connections == [], f"a host listener was reached: {self.connections}"
         assert self.helper.poll() is None, "the host helper process was killed"
@@ -210,7 +211,8 @@ ATTACKS = [
      "for root in ('/proc/1/root', '/proc/self/root', '/proc/2/root'):\n"
      "    try:\n        print(open(root + {secret_path!r}).read())\n    except OSError as e:\n        print(e)"),
     ("read", "openat from a directory descriptor", "mount namespace",
-     "import os\nfd = os.open('/', os.O_RDONLY)\nprint(os.read(os.open({secret_path!r}.lstrip('/'), os.O_RDONLY, dir_fd=fd), 999))"),
+     "import os\nfd = os.open('/', os.O_RDONLY)\n"
+     "print(os.read(os.open({secret_path!r}.lstrip('/'), os.O_RDONLY, dir_fd=fd), 999))"),
     ("read", "raw open(2) through ctypes", "mount namespace (ctypes reaches the kernel, which has no such path)",
      "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nfd = libc.open({secret_path!r}.encode(), 0)\n"
      "print(fd, ctypes.get_errno())\nprint(os.read(fd, 999) if fd >= 0 else '')"),
@@ -265,7 +267,8 @@ ATTACKS = [
      "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('\\0' + {abstract!r})\nprint('connected')"),
     # surviving the run
     ("survive", "double fork and setsid", "PID namespace: its init ends with the program, and takes every process",
-     "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\nprint('parent done')"),
+     "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
+     "    os._exit(0)\nprint('parent done')"),
     ("survive", "a new interpreter that ignores SIGTERM and SIGHUP", "PID namespace (SIGKILL at its end)",
      "import os, sys\nif os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-c', "
      "'import signal, time\\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\\nsignal.signal(signal.SIGHUP, signal.SIG_IGN)\\n"
@@ -305,7 +308,8 @@ ATTACKS = [
      "    if pid == 0:\n        block = bytearray(200 << 20)\n        time.sleep(1)\n        os._exit(0)\n    kids.append(pid)\n"
      "print([os.waitpid(k, 0)[1] for k in kids])"),
     ("memory", "System V shared memory", "seccomp (shmget)",
-     "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(libc.shmget(0, 1 << 30, 0o1600), 'errno', ctypes.get_errno())"),
+     "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+     "print(libc.shmget(0, 1 << 30, 0o1600), 'errno', ctypes.get_errno())"),
     # breaking the parent's reader
     ("reader", "100 MB on stdout without a newline", "the parent's output cap",
      "import sys\nfor _ in range(100):\n    sys.stdout.write('A' * (1 << 20))"),
@@ -553,7 +557,8 @@ def test_the_check_command_refuses_before_any_rank(tmp_path):
     )
     assert done.returncode == 2, done.stdout + done.stderr
     lines = [line for line in done.stderr.splitlines() if line.startswith("reflow:")]
-    assert len(lines) == 1 and re.search(r"task.name = 'coding_agent'.*bwrap.*not found.*apt-get install bubblewrap", lines[0]), done.stderr
+    assert len(lines) == 1 and re.search(r"task.name = 'coding_agent'.*bwrap.*not found.*apt-get install bubblewrap",
+                                         lines[0]), done.stderr
 
 
 def test_environment_text_never_becomes_special_tokens():
@@ -655,7 +660,10 @@ def test_concurrent_runs_leave_nothing_behind(host):
     host.check("")
     if sandbox.cgroups is not None:
         deadline = time.time() + 5
-        while time.time() < deadline and os.listdir(sandbox.cgroups.memory_parent) != _cgroup_files(sandbox.cgroups.memory_parent):
+        while (
+            time.time() < deadline
+            and os.listdir(sandbox.cgroups.memory_parent) != _cgroup_files(sandbox.cgroups.memory_parent)
+        ):
             time.sleep(0.05)
         leftover = [name for name in os.listdir(sandbox.cgroups.memory_parent) if name.startswith("run-")]
         assert leftover == [], leftover

@@ -111,7 +111,8 @@ def test_merging_results_replaces_the_rerun_seeds_and_pairs_by_seed(tmp_path):
     def result(path, seeds, rewards):
         modes = {m: {"placement": "T1x1+R1", "per_seed": [run(s, rewards[m] + s / 100) for s in seeds]}
                  for m in ("async", "reflow")}
-        body = {"command": f"bench {seeds}", "start_eval_reward": 0.3, "config": "c.toml", "overrides": [], "world_size": 2, "rollout_ranks": 1,
+        body = {"command": f"bench {seeds}", "start_eval_reward": 0.3, "config": "c.toml", "overrides": [],
+                "world_size": 2, "rollout_ranks": 1,
                 "time_budget_s": 60, "eval_prompts": 512, "seed_list": seeds, "modes": modes}
         path.write_text(json.dumps(body))
         return str(path)

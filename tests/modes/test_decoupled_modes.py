@@ -46,7 +46,8 @@ def assert_no_sample_lost_or_duplicated(rows, ledgers):
     """Every request a rank started (or resumed, handed over at a placement change) was sent, handed over, or was
     unfinished at the stop; every partial rollout handed over was resumed once; every group sent reaches the shard
     it was bound to when it finished, once; a sample moved between shards leaves one and reaches the other; a
-    shard that leaves the trainer pool hands each unused sample to one staying shard; and every sample sent (or restored unused from a checkpoint) is trained fresh exactly once, evicted
+    shard that leaves the trainer pool hands each unused sample to one staying shard; and every sample sent (or restored
+    unused from a checkpoint) is trained fresh exactly once, evicted
     unused, or still unused at the end.
     The metrics count exactly the samples consumed. (Every rank's ledger covers all the roles it had.)"""
     for led in ledgers:  # a partial rollout handed over at a placement change is sent by the worker that resumed it
@@ -118,7 +119,8 @@ def test_async_overlaps_generation_with_training_within_delta(tmp_path):
     assert len(rollouts) == 2 and all(led["sent"] for led in rollouts)  # both rollout ranks generated
     sent = [e for led in rollouts for e in led["sent"]]
     overlapped = [
-        s for s in trainer["steps"] if any(e["admitted_at"] < s["train_end"] and e["finished_at"] > s["train_start"] for e in sent)
+        s for s in trainer["steps"]
+        if any(e["admitted_at"] < s["train_end"] and e["finished_at"] > s["train_start"] for e in sent)
     ]
     assert len(overlapped) >= len(rows) // 2, f"{len(overlapped)} of {len(rows)} steps overlapped generation"
     assert_no_sample_lost_or_duplicated(rows, ledgers)
@@ -184,7 +186,8 @@ def test_rollout_admits_a_grant_before_a_sync_queued_behind_it(tmp_path):
 
 def test_decoupled_modes_evaluate_on_the_rollout_ranks_at_weight_syncs(tmp_path):
     """async, 1 trainer + 2 rollout ranks, metrics.eval_interval = 2: before generating (version 0) and after the
-    weight syncs to versions 2, 4, ... both rollout ranks score their half of the held-out prompts, and trainer rank 0 logs the mean with the
+    weight syncs to versions 2, 4, ... both rollout ranks score their half of the held-out prompts, and trainer rank 0
+    logs the mean with the
     version it measured, without the trainer waiting for it."""
     rows, _ = _run(
         tmp_path, 3, "async", 2,

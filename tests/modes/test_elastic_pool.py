@@ -52,6 +52,7 @@ def test_reflow_run_changes_placement_both_ways_and_loses_nothing(tmp_path):
     assert [r["step"] for r in resumed] == [5, 6, 7, 8, 9, 10]
     assert [r["placement"] for r in resumed] == ["T1x1+R3"] * 4 + ["T2x1+R2"] * 2
     assert resumed[0]["policy_version"] == 5
-    changes = [json.loads(line) for line in open(os.path.join(tmp_path, "resumed", "reflow", "metrics.jsonl")) if "transition" in line]
+    changes = [json.loads(line) for line in open(os.path.join(tmp_path, "resumed", "reflow", "metrics.jsonl"))
+               if "transition" in line]
     assert [c["transition"] for c in changes] == ["T2x1+R2 -> T1x1+R3", "T1x1+R3 -> T2x1+R2"]
     assert_no_sample_lost_or_duplicated(resumed, resumed_ledgers)

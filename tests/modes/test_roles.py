@@ -430,7 +430,8 @@ def test_the_leader_restores_its_controller_only_from_a_controller_of_the_same_k
     from reflow.scheduler import ForcedSchedule, PlacementPlanner, PlannerSettings
 
     def planner():
-        return PlacementPlanner(PlannerSettings(world_size=4, shard_degree=1, replica_options=(1, 2, 3), sigma=0.5, batch_size=16))
+        settings = PlannerSettings(world_size=4, shard_degree=1, replica_options=(1, 2, 3), sigma=0.5, batch_size=16)
+        return PlacementPlanner(settings)
 
     saved = Leader(Sink(), GROUP, controller=planner())
     saved.controller.last_change_step, saved.controller.left = 6, 2

@@ -38,7 +38,8 @@ def test_sync_six_steps_straight_equal_three_resume_three(tmp_path):
     a, b = _rows(straight), _rows(resumed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):  # the same sample stream: rewards and lengths step by step
-        assert (a[step]["reward_mean"], a[step]["response_len_mean"]) == (b[step]["reward_mean"], b[step]["response_len_mean"]), step
+        assert ((a[step]["reward_mean"], a[step]["response_len_mean"])
+                == (b[step]["reward_mean"], b[step]["response_len_mean"])), step
         assert a[step]["lr"] == b[step]["lr"] == 3e-4 * min(step / 4, 1.0), step
     final_a = load_file(os.path.join(straight, "hf_final", "model.safetensors"))
     final_b = load_file(os.path.join(resumed, "hf_final", "model.safetensors"))

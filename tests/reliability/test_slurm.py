@@ -140,7 +140,8 @@ def slurm(tmp_path):
             states = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout.split()
             if states and all(s == "idle" for s in states):
                 break
-            assert time.time() < deadline, f"the node never became idle: {states}; {(state / 'log' / 'slurmd.log').read_text()[-2000:]}"
+            assert time.time() < deadline, (f"the node never became idle: {states}; "
+                                            f"{(state / 'log' / 'slurmd.log').read_text()[-2000:]}")
             time.sleep(1)
         yield env
     finally:

@@ -22,8 +22,10 @@ ENV = dict(
 
 
 def torchrun(nproc: int, args: list[str], extra_env: dict | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()), *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+           *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(extra_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def train_args(dump: str, *extra: str) -> list[str]:

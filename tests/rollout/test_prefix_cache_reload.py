@@ -1,6 +1,7 @@
 """After a weight reload the engine decodes over KV of the new weights, never over cached blocks of the old ones.
 
-The probe prompt has two full KV blocks (32 tokens each, the CPU backend's smallest) and a tail; an engine that served it holds those
+The probe prompt has two full KV blocks (32 tokens each, the CPU backend's smallest) and a tail; an engine that served it
+holds those
 blocks in its prefix cache. The new weights are the tool-use variant's (same architecture, other values)."""
 
 import json

@@ -295,7 +295,9 @@ def test_window_modes_never_deadlock_and_waste_nothing_from_the_finish(
 def test_async_steps_ahead_wastes_nothing_when_samples_finish_in_order(delta, interval):
     """Counted from the start: steps_ahead = delta - k + 1 is the largest look-ahead at which, finishing in start
     order, no sample is evicted unused: generation runs as far ahead as delta allows and no further."""
-    trained, evicted, _ = simulate("async", random.Random(0), delta=delta, interval=interval, in_order=True, steps=20, anchor="start")
+    trained, evicted, _ = simulate(
+        "async", random.Random(0), delta=delta, interval=interval, in_order=True, steps=20, anchor="start"
+    )
     assert evicted == 0
     assert max(age for ages in trained for age in ages) == delta  # it does use the whole bound
     _, evicted, _ = simulate(

@@ -83,8 +83,10 @@ def _apps(**change):
     ({"question": ""}, "field 'question' must be a non-empty string"),
     ({"input_output": "{not json"}, "field 'input_output' is a string that is not JSON"),
     ({"input_output": json.dumps({"inputs": ["1"], "outputs": []})}, "needs as many outputs as inputs"),
-    ({"input_output": json.dumps({"fn_name": "f(x)", "inputs": [[1]], "outputs": [1]})}, "'input_output.fn_name' must be a Python name"),
-    ({"input_output": json.dumps({"fn_name": "f", "inputs": ["1"], "outputs": [1]})}, "call-based inputs must be a list of arguments"),
+    ({"input_output": json.dumps({"fn_name": "f(x)", "inputs": [[1]], "outputs": [1]})},
+     "'input_output.fn_name' must be a Python name"),
+    ({"input_output": json.dumps({"fn_name": "f", "inputs": ["1"], "outputs": [1]})},
+     "call-based inputs must be a list of arguments"),
 ])
 def test_malformed_apps_rows_name_file_line_and_field(tmp_path, change, message):
     path = tmp_path / "apps.jsonl"

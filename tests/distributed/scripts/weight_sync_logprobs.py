@@ -50,7 +50,8 @@ def rollout_on_rank2(tag):
     """Rank 2 samples; everyone receives the samples (object broadcast from rank 2)."""
     payload = [None]
     if rank == 2:
-        reqs = [Request(f"{tag}{i}", tok.encode(p), 24, seed=i) for i, p in enumerate(["3+4+5=", "9+9+1+2=", "1+2=", "7+0+6+6+2="] * 4)]
+        reqs = [Request(f"{tag}{i}", tok.encode(p), 24, seed=i)
+                for i, p in enumerate(["3+4+5=", "9+9+1+2=", "1+2=", "7+0+6+6+2="] * 4)]
         done = engine.generate(reqs)
         payload = [[(r.prompt_ids, r.output_ids, r.logprobs, r.versions) for r in done]]
     dist.broadcast_object_list(payload, src=2)

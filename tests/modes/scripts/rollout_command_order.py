@@ -82,7 +82,8 @@ budget = DispatchBudget(DispatchRule(window=4), 0, 1, group_size=2)  # one_step_
 stream = PromptStream(load_problems(resolve_path(cfg.task.train_file)), 0)
 groups = PromptGroups(stream, initial_shares(1)[0], task, tokenizer, 2, cfg.rollout.max_new_tokens, cfg.job.seed)
 worker = RolloutWorker(
-    cfg, engine, TurnDriver(engine, task, tokenizer), groups, TaskScorer(task, tokenizer, advantage_estimator(cfg)), SameWeights(),
+    cfg, engine, TurnDriver(engine, task, tokenizer), groups, TaskScorer(task, tokenizer, advantage_estimator(cfg)),
+    SameWeights(),
     ScriptedControl(outbox), outbox, budget, 0, [0],
     first_tokens_before_sync=True,  # as one_step_off runs it (async and reflow: tests/modes/test_roles.py)
 )

@@ -30,7 +30,8 @@ cfg.scheduler.rho = 0.9
 recipe = load_recipe("tiny")
 engine = RolloutEngine(cfg, recipe, resolve_path(recipe.hf_checkpoint), seed=0)
 scheduler = engine.signal_reader.scheduler
-report = {"budget": engine.signals.kv_budget_tokens, "block_size": scheduler.block_size, "blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks}
+report = {"budget": engine.signals.kv_budget_tokens, "block_size": scheduler.block_size,
+          "blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks}
 
 
 def requests(tag: str, count: int) -> list[Request]:
@@ -48,7 +49,8 @@ while engine.num_active:
     done += len(engine.step())
     usage.append(engine.signals.kv_usage)
     waiting.append(engine.signals.waiting)
-report["free"] = {"max_usage": max(usage), "max_waiting": max(waiting), "preemptions": engine.signals.preemptions, "finished": done}
+report["free"] = {"max_usage": max(usage), "max_waiting": max(waiting), "preemptions": engine.signals.preemptions,
+                  "finished": done}
 
 # gated: groups of 2 through the KV rule
 gate = AdmissionGate(cfg, engine, group_size=2)

@@ -106,7 +106,8 @@ for req in finished.values():
 batch = to_batch(samples, tok.pad_id)
 mask_ok = all(
     batch.loss_mask[i].sum().item() == len(s.logprobs)
-    and all(batch.loss_mask[i, len(s.prompt_ids) - 1 + j].item() == 1.0 for start, end in s.model_spans for j in range(start, end))
+    and all(batch.loss_mask[i, len(s.prompt_ids) - 1 + j].item() == 1.0
+            for start, end in s.model_spans for j in range(start, end))
     for i, s in enumerate(samples)
 )
 

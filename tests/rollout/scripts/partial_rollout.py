@@ -86,7 +86,8 @@ report = {
     "prefix_kept_b": all(b[k].output_ids[: len(v)] == v for k, v in prefix_b.items()),
     "prefix_lens": prefix_lens,
     "versions_ok": all(b[k].versions == [0] * prefix_lens[k] + [1] * (len(b[k].output_ids) - prefix_lens[k]) for k in b),
-    "one_logprob_per_token": all(len(r.logprobs) == len(r.output_ids) == len(r.versions) for r in list(b.values()) + list(c.values())),
+    "one_logprob_per_token": all(len(r.logprobs) == len(r.output_ids) == len(r.versions)
+                                 for r in list(b.values()) + list(c.values())),
     # log-probs along the stretch where the two runs chose the same tokens
     "logprob_gap_mean": _mean_gap(a, b),
     "prefix_kept_c": all(c[k].output_ids[: len(p)] == p for k, p in prefix_c.items()),

@@ -97,7 +97,8 @@ def max_diff(a: list, b: list) -> float:
 report = {}
 cases = [(name, "ppo_clip", None) for name in AGGREGATIONS] + [
     ("seq_mean_token_mean", "gspo", None), ("token_sum_norm", "cispo", None),
-    ("token_mean", "ppo_clip", "kl_reward+token_mask+entropy"), ("seq_mean_token_mean", "dual_clip", "kl_k2_loss+sequence_tis+warmup"),
+    ("token_mean", "ppo_clip", "kl_reward+token_mask+entropy"),
+    ("seq_mean_token_mean", "dual_clip", "kl_k2_loss+sequence_tis+warmup"),
 ]
 for aggregation, policy, extra in cases:
     whole = run(aggregation, policy, False, EXTRAS.get(extra))

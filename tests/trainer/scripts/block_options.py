@@ -27,7 +27,8 @@ gen = torch.Generator().manual_seed(0)
 
 def virtual(k: int, seed: int = 0):
     g = torch.Generator().manual_seed(k + 1000 * seed)
-    rows = [(torch.randint(3, 30, (4,), generator=g).tolist(), torch.randint(3, 30, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()) for _ in range(4)]
+    rows = [(torch.randint(3, 30, (4,), generator=g).tolist(),
+             torch.randint(3, 30, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()) for _ in range(4)]
     return pack([p for p, _ in rows], [o for _, o in rows], [[-1.0] * len(o) for _, o in rows], [[0] * len(o) for _, o in rows],
                 [1.0, -1.0, 0.5, -0.5], [1.0] * 4, [0.0] * 4, 0)
 

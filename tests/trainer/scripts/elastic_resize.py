@@ -111,7 +111,8 @@ def run(schedule: list[tuple[int, int]], micro_batch_size: int = 2):
             if trainer.active:
                 trainer.train_step(mine(trainer, step))
             step += 1
-        snapshots.append([t.clone() for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)] if trainer.active else None)
+        snapshots.append([t.clone() for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)]
+                         if trainer.active else None)
         transitions.append({"active_ranks": active_ranks(trainer.active)})
         if trainer.active and TIED:  # one parameter for the embedding and the LM head, in every placement
             assert trainer.model.tok_embeddings.weight is trainer.model.lm_head.weight

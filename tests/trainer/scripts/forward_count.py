@@ -18,8 +18,10 @@ recipe = load_recipe("tiny")
 hf_dir = resolve_path(recipe.hf_checkpoint)
 layouts = build_trainer_layouts(world, world, [1])
 gen = torch.Generator().manual_seed(0)
-rows = [(torch.randint(3, 30, (4,), generator=gen).tolist(), torch.randint(3, 30, (6,), generator=gen).tolist()) for _ in range(8)]
-batch = pack([p for p, _ in rows], [o for _, o in rows], [[-1.0] * 6] * 8, [[0] * 6] * 8, [1.0, -1.0] * 4, [1.0] * 8, [0.0] * 8, 0)
+rows = [(torch.randint(3, 30, (4,), generator=gen).tolist(), torch.randint(3, 30, (6,), generator=gen).tolist())
+        for _ in range(8)]
+batch = pack([p for p, _ in rows], [o for _, o in rows], [[-1.0] * 6] * 8, [[0] * 6] * 8, [1.0, -1.0] * 4, [1.0] * 8,
+             [0.0] * 8, 0)
 report = {}
 for minibatches in (1, 2):
     cfg = JobConfig()

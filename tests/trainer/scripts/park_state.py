@@ -51,10 +51,12 @@ def train(parked: bool):
             # every shard's device bytes are gone (the step counters live on the host anyway)
             freed.append([moved, all(t.untyped_storage().nbytes() == 0 for t in tensors if t.dim() > 0)])
             # the host buffers: one per storage at its size, the same ones every step
-            buffers.append([trainer.parking.host_bytes, sorted(b.data_ptr() for bs in trainer.parking.buffers.values() for b in bs)])
+            buffers.append([trainer.parking.host_bytes,
+                            sorted(b.data_ptr() for bs in trainer.parking.buffers.values() for b in bs)])
         trainer.train_step(batch(step))
         if parked:
-            restored.append(all(t.untyped_storage().nbytes() > 0 for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)))
+            restored.append(all(t.untyped_storage().nbytes() > 0
+                                for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)))
     return [t.clone() for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)], freed, restored, buffers
 
 
