@@ -54,7 +54,7 @@ def run(engine, cfg, requests, group_size: int, label: str) -> dict:
     from reflow.rollout.admission import AdmissionGate
     from reflow.rollout.engine import Request
 
-    gate = AdmissionGate(cfg, engine, group_size)
+    gate = AdmissionGate(cfg.scheduler, cfg.rollout, engine, group_size)
     preemptions_before = engine.signals.preemptions
     pending = [
         [Request(f"{label}-{i + k}", prompt, length, seed=i + k, meta={"group": group}, ignore_eos=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reflow.config.job_config import JobConfig
+from reflow.config.job_config import JobConfig, ReplaySection, RolloutSection, TrainingSection, WeightSyncSection
 from reflow.replay.buffer import min_fresh
 from reflow.scheduler.dispatch import DispatchRule
 
@@ -35,9 +35,15 @@ class ModeSettings:
 
 
 def resolve_settings(cfg: JobConfig) -> ModeSettings:
-    """The replay, staleness, sync and dispatch settings each decoupled mode implies (one place, no hidden
-    rewrites of the config)."""
-    training, replay = cfg.training, cfg.replay
+    """``mode_settings`` of a run's config."""
+    return mode_settings(cfg.training, cfg.replay, cfg.weight_sync, cfg.rollout)
+
+
+def mode_settings(
+    training: TrainingSection, replay: ReplaySection, weight_sync: WeightSyncSection, rollout: RolloutSection,
+) -> ModeSettings:
+    """The replay, staleness, sync and dispatch settings each decoupled mode implies, from the sections that
+    decide them (one place, no hidden rewrites of the config)."""
     batch = training.prompts_per_step * training.group_size
     if training.mode == "one_step_off":
         # verl's one-step-off: the batch the previous policy began, so staleness counts from the start and is 1
@@ -47,7 +53,7 @@ def resolve_settings(cfg: JobConfig) -> ModeSettings:
         )
     if training.mode not in ("async", "reflow"):
         raise ValueError(f"training.mode {training.mode!r} is not a decoupled mode")
-    interval = cfg.weight_sync.interval
+    interval = weight_sync.interval
     steps_ahead = replay.delta - interval + 1
     window = (steps_ahead + 1) * batch
     common = dict(
@@ -64,6 +70,6 @@ def resolve_settings(cfg: JobConfig) -> ModeSettings:
         floor_groups = min_fresh(batch, replay.sigma) // training.group_size
         window = steps_ahead * batch + floor_groups * training.group_size
     return ModeSettings(
-        sigma=replay.sigma, tau=replay.tau, dispatch=DispatchRule(window=window, per_step=cfg.rollout.b_max or batch),
+        sigma=replay.sigma, tau=replay.tau, dispatch=DispatchRule(window=window, per_step=rollout.b_max or batch),
         **common,
     )

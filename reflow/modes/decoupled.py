@@ -45,6 +45,7 @@ from reflow.modes.trainer_role import Poll, TrainerRole
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.modes.transition import ChangePlan, RankState, TrainerClock, change_placement
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
+from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.groups import PromptGroups, evaluate_share
 from reflow.rollout.scoring import TaskScorer
 from reflow.rollout.tensor_parallel import engine_mirror, follow
@@ -269,12 +270,14 @@ class DecoupledMode(ModeBase):
             return evaluate_share(parts, eval_turns, cfg.metrics.eval_num_prompts, index, num_rollout)
 
         return RolloutWorker(
-            cfg, parts.engine, parts.turns,
+            parts.engine, parts.turns,
             PromptGroups(self.stream, self.shares[index], parts.task, parts.tokenizer, training.group_size,
                          cfg.rollout.max_new_tokens, cfg.job.seed),
             TaskScorer(parts.task, parts.tokenizer, advantage_estimator(cfg), parts.rewards),
-            self.weight_sync, self.control, self.outbox, budget, index, self.trainer_ranks,
-            evaluate=evaluate, evaluate_first=self._evaluates_start, carried=self.carried,
+            self.weight_sync, self.control, self.outbox, budget,
+            AdmissionGate(cfg.scheduler, cfg.rollout, parts.engine, training.group_size, parts.turns, clock=time.time),
+            index, self.trainer_ranks, evaluate=evaluate, eval_interval=cfg.metrics.eval_interval,
+            evaluate_first=self._evaluates_start, carried=self.carried,
             first_tokens_before_sync=self.settings.first_tokens_before_sync, timeline=parts.timeline,
         )
 

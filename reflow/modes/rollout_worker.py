@@ -36,7 +36,6 @@ import time
 from collections import deque
 from typing import Callable
 
-from reflow.config.job_config import JobConfig
 from reflow.dataplane.protocols import CommandSource, DataSink
 from reflow.metrics.timeline import NullTimeline, Timeline
 from reflow.modes.commands import Command, Progress, Stop, SyncWeights, Transition, apply_progress
@@ -88,7 +87,6 @@ class RolloutWorker:
 
     def __init__(
         self,
-        cfg: JobConfig,
         engine: Engine,
         turns: TurnDriver,
         groups: GroupSource,
@@ -97,9 +95,11 @@ class RolloutWorker:
         control: CommandSource,
         outbox: DataSink,
         budget: DispatchBudget,
+        gate: AdmissionGate,
         rollout_index: int,
         trainer_ranks: list[int],
         evaluate: Callable[[int], tuple[float, int]] | None = None,
+        eval_interval: int = 0,
         evaluate_first: bool = False,
         carried: list[HeldGroup] | None = None,
         clock: Callable[[], float] = time.time,
@@ -107,25 +107,27 @@ class RolloutWorker:
         first_tokens_before_sync: bool = False,
         timeline: "Timeline | NullTimeline | None" = None,
     ):
-        self.cfg = cfg
         self.rollout_index = rollout_index
         self.engine = engine
         self.turns = turns
         self.groups_source = groups
         self.evaluate = evaluate
         """This worker's share of the held-out evaluation of the engine's policy: (sum of rewards, samples)."""
+        self.eval_interval = eval_interval
+        """metrics.eval_interval: the versions ``evaluate`` scores (those it divides; 0: none)."""
         self.weight_sync = weight_sync
         self.trainer_ranks = trainer_ranks
         self.control, self.outbox, self.budget = control, outbox, budget
         self.clock = clock
         self.router = ShardRouter(len(trainer_ranks), first=rollout_index)
-        self.group_size = cfg.training.group_size
+        self.gate = gate
+        """Admission (the concurrency cap and the KV rule), over this worker's engine and turns."""
+        self.group_size = gate.group_size
         self.groups = GroupAssembler(scorer, self.group_size, rollout_index)
         self.stats = WorkerStats()  # this window's times (the gate keeps its own counts)
         self.last_report = clock()
         self.report_interval_s = report_interval_s
         """Seconds between its reports (WorkerStats) to the leader."""
-        self.gate = AdmissionGate(cfg, engine, self.group_size, turns, clock=clock)
         self.first_tokens_before_sync = first_tokens_before_sync
         """one_step_off: step until every admitted request has a token before holding them (I1)."""
         self._next_group: tuple | None = None  # ((draw, version), its requests) while it waits on the gate
@@ -299,7 +301,7 @@ class RolloutWorker:
         prompts, one sample each at the rollout temperature, with the engine holding nothing else (the partial
         rollouts wait until it is done): a measure of exactly policy ``version``. The trainer does not wait
         for it; trainer rank 0 logs the mean once every rollout rank's share has arrived."""
-        interval = self.cfg.metrics.eval_interval
+        interval = self.eval_interval
         if self.evaluate is None or not interval or version % interval:
             return
         t0 = self.clock()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
-from reflow.config.job_config import JobConfig
+from reflow.config.job_config import RolloutSection, SchedulerSection
 from reflow.rollout.protocols import Engine
 from reflow.scheduler.concurrency import (
     AdmissionRule,
@@ -41,18 +41,19 @@ if TYPE_CHECKING:
 
 class AdmissionGate:
     def __init__(
-        self, cfg: JobConfig, engine: Engine, group_size: int, turns: "TurnDriver | None" = None,
-        clock: Callable[[], float] = time.perf_counter,
+        self, scheduler: SchedulerSection, rollout: RolloutSection, engine: Engine, group_size: int,
+        turns: "TurnDriver | None" = None, clock: Callable[[], float] = time.perf_counter,
     ):
-        scheduler = cfg.scheduler
+        """``scheduler``, ``rollout``: the run's [scheduler] and [rollout] sections (the controller's and the KV
+        rule's settings; the engine's max_num_seqs and max_new_tokens)."""
         self.engine = engine
         self.clock = clock
         """The controller's time (the simulator's clock in a simulation)."""
         self.turns = turns
         """The worker's turn driver, whose trajectories waiting on a tool count as in flight (None: the engine's only)."""
         self.group_size = group_size
-        max_cap = cfg.rollout.max_num_seqs
-        self.lengths = ResponseLengths(scheduler.response_percentile, window=256, initial=cfg.rollout.max_new_tokens)
+        max_cap = rollout.max_num_seqs
+        self.lengths = ResponseLengths(scheduler.response_percentile, window=256, initial=rollout.max_new_tokens)
         self.rule = AdmissionRule(
             max_cap,
             ConcurrencyController(

@@ -48,8 +48,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from reflow.algorithms.shaping import MAX_EXTRA_BATCHES
-from reflow.config.job_config import JobConfig
-from reflow.config.mode_settings import resolve_settings
+from reflow.config.job_config import ReplaySection, RolloutSection, SchedulerSection, TrainingSection, WeightSyncSection
+from reflow.config.mode_settings import mode_settings
 from reflow.distributed.placement import Placement, build_placement, placement_name
 from reflow.modes.commands import Command, SyncWeights, Transition
 from reflow.modes.leader import Leader
@@ -60,6 +60,7 @@ from reflow.modes.trainer_shard import TrainerShard
 from reflow.modes.transition import ChangePlan
 from reflow.replay import ReplayBuffer, build_filter, build_sampler
 from reflow.replay.buffer import BatchPlan
+from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.request import Request
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
@@ -113,27 +114,31 @@ class SimConfig:
     def batch(self) -> int:
         return self.prompts_per_step * self.group_size
 
-    def job_config(self, profile: CostProfile, workload: Workload) -> JobConfig:
-        """The live config this simulation stands for (what the live roles read), no evaluation."""
-        cfg = JobConfig()
-        cfg.training.mode = self.mode
-        cfg.training.prompts_per_step, cfg.training.group_size = self.prompts_per_step, self.group_size
-        cfg.replay.sigma, cfg.replay.tau, cfg.replay.delta = self.sigma, self.tau, self.delta
-        cfg.replay.strict_window = self.strict_window
-        cfg.weight_sync.interval = self.interval
-        cfg.rollout.b_max = self.b_max
-        cfg.rollout.max_num_seqs = profile.max_num_seqs
-        cfg.rollout.max_new_tokens = workload.max_tokens
-        scheduler = cfg.scheduler
-        scheduler.adaptive_concurrency, scheduler.kv_admission = self.adaptive_concurrency, self.kv_admission
-        scheduler.rho, scheduler.response_percentile = self.rho, self.response_percentile
-        cfg.reward.dynamic_sampling = self.dynamic_sampling
-        cfg.metrics.eval_interval = 0
-        return cfg
+    def sections(self, profile: CostProfile, workload: Workload) -> "SimSections":
+        """The live config sections this simulation stands for: what the live roles read."""
+        return SimSections(
+            training=TrainingSection(mode=self.mode, prompts_per_step=self.prompts_per_step, group_size=self.group_size),
+            replay=ReplaySection(sigma=self.sigma, tau=self.tau, delta=self.delta, strict_window=self.strict_window),
+            weight_sync=WeightSyncSection(interval=self.interval),
+            rollout=RolloutSection(b_max=self.b_max, max_num_seqs=profile.max_num_seqs, max_new_tokens=workload.max_tokens),
+            scheduler=SchedulerSection(
+                adaptive_concurrency=self.adaptive_concurrency, kv_admission=self.kv_admission, rho=self.rho,
+                response_percentile=self.response_percentile,
+            ),
+        )
 
     def __post_init__(self):
         if self.dynamic_sampling and self.mode == "one_step_off":
             raise ValueError("dynamic_sampling: one_step_off trains exactly what started one version back (refused live too)")
+
+
+@dataclass(frozen=True)
+class SimSections:
+    training: TrainingSection
+    replay: ReplaySection
+    weight_sync: WeightSyncSection
+    rollout: RolloutSection
+    scheduler: SchedulerSection
 
 
 @dataclass
@@ -362,8 +367,9 @@ class SimPublisher:
 class DecoupledSim:
     def __init__(self, cfg: SimConfig, profile: CostProfile, workload: Workload):
         self.cfg, self.profile, self.workload = cfg, profile, workload
-        self.job = cfg.job_config(profile, workload)
-        self.settings = resolve_settings(self.job)
+        self.sections = cfg.sections(profile, workload)
+        s = self.sections
+        self.settings = mode_settings(s.training, s.replay, s.weight_sync, s.rollout)
         self.rng = random.Random(cfg.seed)
         self.train_rng = random.Random(cfg.seed + 1)  # the train steps' measured noise, apart from the workload's draws
         self.version = 0
@@ -449,15 +455,7 @@ class DecoupledSim:
         carried = change.deal(held) if change is not None else [[] for _ in range(num_rollout)]
         dealt_dispatch = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
         self.workers = [
-            RolloutWorker(
-                self.job, engine, TurnDriver(engine, None, None), SimGroups(self), SimScorer(self.workload, cfg.seed),
-                self.weight_sync,
-                self.control.source(index), SimOutbox(self, index),
-                DispatchBudget(self.settings.dispatch, index, num_rollout, cfg.group_size, start_step=self.steps_done,
-                               dealt=dealt_dispatch),
-                index, list(range(num_shards)), carried=carried[index], clock=self._clock_of(engine),
-                report_interval_s=cfg.report_interval_s, first_tokens_before_sync=self.settings.first_tokens_before_sync,
-            )
+            self._new_worker(index, engine, num_rollout, num_shards, carried[index], dealt_dispatch)
             for index, engine in enumerate(self.engines)
         ]
         self._sent_seen = [0] * num_rollout
@@ -474,6 +472,21 @@ class DecoupledSim:
         for worker in self.workers:
             worker.start()
         self.role.view(self.version, self.steps_done)  # (the leader's Progress wakes every worker)
+
+    def _new_worker(self, index: int, engine: SimEngine, num_rollout: int, num_shards: int, carried: list[HeldGroup],
+                    dealt_dispatch: bool) -> RolloutWorker:
+        """A live ``RolloutWorker`` over a simulated engine, its turns (single-turn: the engine models tool turns)
+        and gate on the engine's clock, and the in-process planes."""
+        cfg, clock, turns = self.cfg, self._clock_of(engine), TurnDriver(engine, None, None)
+        return RolloutWorker(
+            engine, turns, SimGroups(self), SimScorer(self.workload, cfg.seed), self.weight_sync,
+            self.control.source(index), SimOutbox(self, index),
+            DispatchBudget(self.settings.dispatch, index, num_rollout, cfg.group_size, start_step=self.steps_done,
+                           dealt=dealt_dispatch),
+            AdmissionGate(self.sections.scheduler, self.sections.rollout, engine, cfg.group_size, turns, clock=clock),
+            index, list(range(num_shards)), carried=carried, clock=clock, report_interval_s=cfg.report_interval_s,
+            first_tokens_before_sync=self.settings.first_tokens_before_sync,
+        )
 
     @staticmethod
     def _clock_of(engine: SimEngine):

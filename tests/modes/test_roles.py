@@ -286,8 +286,9 @@ def simulated_worker(control, outbox, weights, window: int, engine=None, carried
     """The live RolloutWorker over a simulated engine, groups of 4 whose answers are 6 to 60 tokens long."""
     import random
 
-    from reflow.config.job_config import JobConfig
+    from reflow.config.job_config import RolloutSection, SchedulerSection
     from reflow.modes.rollout_worker import RolloutWorker
+    from reflow.rollout.admission import AdmissionGate
     from reflow.rollout.request import Request
     from reflow.rollout.turns import TurnDriver
     from reflow.sim.engine import SimEngine, SimTrajectory
@@ -295,8 +296,6 @@ def simulated_worker(control, outbox, weights, window: int, engine=None, carried
     from reflow.sim.system import SimScorer
     from reflow.sim.workload import Workload
 
-    cfg = JobConfig()
-    cfg.training.group_size = GROUP
     rng = random.Random(0)
 
     class Groups:
@@ -316,8 +315,10 @@ def simulated_worker(control, outbox, weights, window: int, engine=None, carried
     engine = engine or SimEngine(TINY_CPU, 0, max_steps=4)
     scorer = SimScorer(Workload(name="roles", prompt_tokens=8, median_tokens=30, sigma=0.0, max_tokens=64), seed=0)
     budget = DispatchBudget(DispatchRule(window=window), 0, 1, group_size=GROUP)
-    worker = RolloutWorker(cfg, engine, TurnDriver(engine, None, None), Groups(), scorer, weights, control, outbox,
-                           budget, 0, [0], carried=carried, clock=lambda: engine.clock,
+    turns, clock = TurnDriver(engine, None, None), lambda: engine.clock
+    gate = AdmissionGate(SchedulerSection(), RolloutSection(), engine, GROUP, turns, clock=clock)
+    worker = RolloutWorker(engine, turns, Groups(), scorer, weights, control, outbox,
+                           budget, gate, 0, [0], carried=carried, clock=clock,
                            report_interval_s=report_interval_s, first_tokens_before_sync=first_tokens_before_sync)
     return worker, engine
 

@@ -20,6 +20,7 @@ from reflow.model.recipe import load_recipe, resolve_path
 from reflow.modes.commands import Progress, Stop, SyncWeights
 from reflow.modes.prompts import PromptStream, initial_shares
 from reflow.modes.rollout_worker import RolloutWorker
+from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.engine import RolloutEngine
 from reflow.rollout.groups import PromptGroups
 from reflow.rollout.scoring import TaskScorer
@@ -81,10 +82,11 @@ task, tokenizer = build_task(cfg.task), PromptTokenizer(hf)
 budget = DispatchBudget(DispatchRule(window=4), 0, 1, group_size=2)  # one_step_off's window of 2 batches
 stream = PromptStream(load_problems(resolve_path(cfg.task.train_file)), 0)
 groups = PromptGroups(stream, initial_shares(1)[0], task, tokenizer, 2, cfg.rollout.max_new_tokens, cfg.job.seed)
+turns = TurnDriver(engine, task, tokenizer)
 worker = RolloutWorker(
-    cfg, engine, TurnDriver(engine, task, tokenizer), groups, TaskScorer(task, tokenizer, advantage_estimator(cfg)),
+    engine, turns, groups, TaskScorer(task, tokenizer, advantage_estimator(cfg)),
     SameWeights(),
-    ScriptedControl(outbox), outbox, budget, 0, [0],
+    ScriptedControl(outbox), outbox, budget, AdmissionGate(cfg.scheduler, cfg.rollout, engine, 2, turns), 0, [0],
     first_tokens_before_sync=True,  # as one_step_off runs it (async and reflow: tests/modes/test_roles.py)
 )
 worker.run()

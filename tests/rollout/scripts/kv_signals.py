@@ -53,7 +53,7 @@ report["free"] = {"max_usage": max(usage), "max_waiting": max(waiting), "preempt
                   "finished": done}
 
 # gated: groups of 2 through the KV rule
-gate = AdmissionGate(cfg, engine, group_size=2)
+gate = AdmissionGate(cfg.scheduler, cfg.rollout, engine, group_size=2)
 start = engine.signals.preemptions
 pending = requests("gated", 16)
 done, max_in_flight = 0, 0
