@@ -1,9 +1,9 @@
 import sys
 
-from reflow.bench import generation, modes, resize, sandbox, trainer
+from reflow.bench import generation, modes, placement, resize, sandbox, trainer
 
-BENCHMARKS = {"generation": generation.main, "modes": modes.main, "resize": resize.main, "sandbox": sandbox.main,
-              "trainer": trainer.main}
+BENCHMARKS = {"generation": generation.main, "modes": modes.main, "placement": placement.main, "resize": resize.main,
+              "sandbox": sandbox.main, "trainer": trainer.main}
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else ""
