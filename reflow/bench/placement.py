@@ -1,8 +1,8 @@
 """Placement that needs no tuning: ``python -m reflow.bench placement``.
 
-On a 4-rank world (reflow mode, trainer shard degree 1), every static split of trainer and rollout ranks (1:3,
-2:2, 3:1) and the adaptive placement planner (``scheduler.adaptive_placement``, starting at 2:2) train for the
-same wall-clock budget on two workloads:
+On a 4-rank world (reflow mode, trainer shard degree 1, 6 prompts a step, which every split divides), every
+static split of trainer and rollout ranks (1:3, 2:2, 3:1) and the adaptive placement planner
+(``scheduler.adaptive_placement``, starting at 2:2) train for the same wall-clock budget on two workloads:
 
   rollout_heavy  ``train_configs/bench_rollout_bound.toml``: long-tail answers under KV pressure, so
                  generation sets the pace and more rollout ranks pay
@@ -35,6 +35,8 @@ WORKLOADS = {
 }
 STATIC = {f"static_{trainers}:{WORLD - trainers}": trainers for trainers in range(1, WORLD)}
 """Static splits by trainer ranks (shard degree 1: one replica per trainer rank)."""
+PROMPTS_PER_STEP = 6
+"""Every run's batch: whole groups split evenly over 1, 2 or 3 trainer shards (6 prompts x group size)."""
 TARGET = 0.95
 
 
@@ -42,7 +44,8 @@ def placement_overrides(run: str) -> list[str]:
     """The placement a run takes: a static split, or the planner starting at the even split."""
     trainers = STATIC.get(run, WORLD // 2)
     out = [
-        "--training.mode=reflow", "--placement.trainer_shard_degree=1", f"--placement.trainer_replicate_degree={trainers}",
+        "--training.mode=reflow", f"--training.prompts_per_step={PROMPTS_PER_STEP}", "--placement.trainer_shard_degree=1",
+        f"--placement.trainer_replicate_degree={trainers}",
         f"--placement.num_rollout_ranks={WORLD - trainers}",
     ]
     return out + (["--scheduler.adaptive_placement=true"] if run == "adaptive" else ["--scheduler.adaptive_placement=false"])
