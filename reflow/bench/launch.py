@@ -17,13 +17,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_env(extra: dict | None = None) -> dict:
+    """The environment a benchmark's torchrun gets on this machine: vLLM in process, one compute thread per rank,
+    1 GiB of KV cache per engine unless the caller's environment says otherwise; then ``extra``."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(extra or {})
+    return env
+
+
 def run_worker(name: str, nproc: int, args: list[str], raw_path: str, extra_env: dict | None = None) -> dict:
     """``torchrun --nproc-per-node nproc -m reflow.bench.<name> <name> <args> --worker=<raw_path>``: vLLM in
     process, one compute thread per rank. Returns the JSON the worker's rank 0 wrote to ``raw_path``;
     raises with the tail of its stderr if it failed."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.update(extra_env or {})
+    env = cpu_env(extra_env)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
         "-m", f"reflow.bench.{name}", name, *args, f"--worker={raw_path}",

@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 
-from reflow.bench.launch import free_port
+from reflow.bench.launch import cpu_env, free_port
 from reflow.bench.paired import paired_difference
 from reflow.modes.ledger import filtered_uids
 
@@ -78,8 +78,7 @@ def run_mode(mode: str, args, overrides: list[str], seed: int = 0) -> dict:
         *overrides,
         *per_mode,
     ]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env = cpu_env()
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.time() - t0

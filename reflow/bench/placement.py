@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from reflow.bench.launch import ROOT, free_port
+from reflow.bench.launch import ROOT, cpu_env, free_port
 
 WORLD = 4
 WORKLOADS = {
@@ -62,8 +62,7 @@ def run_one(workload: str, run: str, args) -> dict:
         "--metrics.enable_progress_bar=false", "--metrics.eval_interval=0", "--checkpoint.enable=false",
         "--checkpoint.export_hf=false",
     ]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env = cpu_env()
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
