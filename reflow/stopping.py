@@ -4,10 +4,13 @@ Signals. Slurm preempts a job with SIGTERM (after ``--signal=USR1@<seconds>``, a
 torchrun forwards SIGTERM (and, with ``--signals-to-handle``, SIGUSR1) to every rank, then kills them after
 ``--shutdown-timeout`` seconds. ``StopSignals`` turns either signal into a request: the handler only records
 it (no I/O, nothing interrupted), and the train loop looks at it once per step, at the step's end, where
-the state is consistent: every rank that trains all-reduces its request (MAX), so one rank's signal stops
-them all at the same step. The run then saves a checkpoint (when checkpoint.enable), the rollout ranks of a
-decoupled mode get Stop as at a normal end, and every rank exits 0. A rank that only generates waits for
-that Stop: Slurm and torchrun signal every rank, so the trainer ranks have it too.
+the state is consistent: every rank that trains all-reduces its request (MAX of ``StopSignals.code``), so
+one rank's signal stops them all at the same step, and every rank, rank 0 included, learns which signal it
+was (``StopSignals.name_of``): Slurm's signal reaches the torchrun agents one by one, and rank 0, which
+writes the stop record that decides whether the job requeues, may not have it yet when the others do.
+The run then saves a checkpoint (when checkpoint.enable), the rollout ranks of a decoupled mode get Stop
+as at a normal end, and every rank exits 0. A rank that only generates waits for that Stop: Slurm and
+torchrun signal every rank, so the trainer ranks have it too.
 
 Non-finite updates. ``NonFiniteGuard`` counts the steps in a row whose optimizer updates were skipped for a
 non-finite loss or gradient (``PolicyTrainer`` skips such an update and keeps the last good state); after
@@ -24,7 +27,10 @@ from dataclasses import dataclass
 class StopSignals:
     """Records SIGTERM / SIGUSR1 instead of dying on them (install on the main thread)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    # in rising precedence: when ranks got different signals, the all-reduce's MAX picks the later one. SIGTERM
+    # (a cancel or a preemption) outranks SIGUSR1 (the time limit's warning, which requeues the job): a job
+    # that is being cancelled must not requeue itself
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
     def __init__(self):
         self.received: str | None = None
@@ -35,7 +41,20 @@ class StopSignals:
         return self
 
     def _record(self, signum, frame) -> None:
-        self.received = self.received or signal.Signals(signum).name
+        """Keep the highest-precedence signal so far: a cancel after the warning is a cancel."""
+        if self.SIGNALS.index(signum) + 1 > self.code:
+            self.received = signal.Signals(signum).name
+
+    @property
+    def code(self) -> int:
+        """0 when no signal came, else the received signal's precedence (1 + its index in SIGNALS)."""
+        names = [s.name for s in self.SIGNALS]
+        return names.index(self.received) + 1 if self.received else 0
+
+    @classmethod
+    def name_of(cls, code: int) -> str | None:
+        """The signal a (reduced) ``code`` stands for; None for 0."""
+        return cls.SIGNALS[code - 1].name if code else None
 
 
 @dataclass

@@ -223,18 +223,17 @@ class ModeBase:
     def _stop_reason(self, start: float) -> str | None:
         """Stop after this step? Every trainer rank gets the same answer from one all-reduce(MAX) of
         [non-finite streak reached, training.time_budget_s reached (rank 0's clock: rank 0 trains in every
-        placement), a stop signal received (any rank)] (``reflow.stopping``)."""
+        placement), the highest-precedence stop signal any rank received] (``reflow.stopping``)."""
         budget = self.parts.cfg.training.time_budget_s
         out_of_time = budget > 0 and dist.get_rank() == 0 and time.perf_counter() - start >= budget
-        signal_name = self.stop_signals.received
-        flags = torch.tensor([int(self.diverged is not None), int(out_of_time), int(signal_name is not None)])
+        flags = torch.tensor([int(self.diverged is not None), int(out_of_time), self.stop_signals.code])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.trainer_group)
         if flags[0]:
             return "non-finite updates"
         if flags[1]:
             return "time budget"
         if flags[2]:
-            return signal_name or "a stop signal on another rank"
+            return StopSignals.name_of(int(flags[2]))  # the same name on every rank, whichever got the signal
         return None
 
     # ---- advantages -------------------------------------------------------------

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from reflow.stopping import NonFiniteGuard
+from reflow.stopping import NonFiniteGuard, StopSignals
 from tests.conftest import ROOT, free_port
 
 ENV = dict(
@@ -43,20 +43,28 @@ def rows(dump: str) -> list[dict]:
     return [json.loads(line) for line in open(path) if line.strip()]
 
 
-def workers(agent_pid: int) -> list[int]:
+def workers(agent_pid: int) -> dict[int, int]:
+    """The agent's rank processes, by global rank."""
     out = subprocess.run(["pgrep", "-P", str(agent_pid)], capture_output=True, text=True).stdout.split()
-    return [int(pid) for pid in out]
+    ranks = {}
+    for pid in map(int, out):
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        ranks[int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=", 1)[1])] = pid
+    return ranks
 
 
 @pytest.mark.parametrize(
-    "mode,nproc,extra,sig",
+    "mode,nproc,extra,sig,signalled",
     [
-        ("sync", 2, [], signal.SIGTERM),
-        ("reflow", 3, ["--placement.num_rollout_ranks=1", "--replay.sigma=0.5", "--replay.delta=2"], signal.SIGUSR1),
+        ("sync", 2, [], signal.SIGTERM, "every rank"),
+        # Slurm's signal reaches the torchrun agents one by one: here only trainer rank 1 has it when the step
+        # ends, and rank 0, which writes the stop record the Slurm script requeues on, must still name SIGUSR1
+        ("reflow", 3, ["--placement.num_rollout_ranks=1", "--replay.sigma=0.5", "--replay.delta=2"], signal.SIGUSR1,
+         "rank 1"),
     ],
-    ids=["sync-sigterm", "reflow-sigusr1"],
+    ids=["sync-sigterm", "reflow-sigusr1-one-rank"],
 )
-def test_a_stop_signal_checkpoints_exits_zero_and_the_run_resumes(tmp_path, mode, nproc, extra, sig):
+def test_a_stop_signal_checkpoints_exits_zero_and_the_run_resumes(tmp_path, mode, nproc, extra, sig, signalled):
     dump = str(tmp_path / mode)
     args = train_args(dump, f"--training.mode={mode}", "--training.steps=200", "--checkpoint.enable=true",
                       "--checkpoint.interval=1000", *extra)
@@ -65,8 +73,11 @@ def test_a_stop_signal_checkpoints_exits_zero_and_the_run_resumes(tmp_path, mode
     while len([r for r in rows(dump) if "loss" in r]) < 2:  # training is under way
         assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
         time.sleep(0.5)
-    for pid in workers(run.pid):  # as Slurm does: every process of the job step gets the signal
-        os.kill(pid, sig)
+    ranks = workers(run.pid)
+    assert sorted(ranks) == list(range(nproc)), ranks
+    for rank, pid in ranks.items():  # as Slurm does: every process of the job step gets the signal, in turn
+        if signalled == "every rank" or rank == 1:
+            os.kill(pid, sig)
     out, err = run.communicate(timeout=300)
     assert run.returncode == 0, err[-4000:]
     trained = [r["step"] for r in rows(dump) if "loss" in r]
@@ -75,6 +86,7 @@ def test_a_stop_signal_checkpoints_exits_zero_and_the_run_resumes(tmp_path, mode
     assert f"stopped by {sig.name} after step {stopped_at}" in out + err
     assert f"trained {stopped_at} of 200 steps" in out + err
     assert os.path.isdir(os.path.join(dump, "checkpoint", f"step-{stopped_at}"))
+    assert json.load(open(os.path.join(dump, "stopped.json")))["by"] == sig.name  # rank 0's record: requeue or not
     # the same command, with room for two more steps, resumes there
     resumed = torchrun(nproc, [*args, f"--training.steps={stopped_at + 2}"])
     out, err = resumed.communicate(timeout=400)
@@ -126,6 +138,21 @@ def _checkpoint_tensors(folder: str, tmp_path) -> dict:
 
     walk("", torch.load(out, weights_only=False)["trainer"])
     return flat
+
+
+def test_a_cancel_outranks_the_time_limit_warning_across_ranks():
+    """The all-reduce takes the MAX of the ranks' codes: SIGTERM (cancel, preemption) wins over SIGUSR1 (which
+    requeues), so a job being cancelled never requeues itself; no signal is code 0."""
+    warned, cancelled, quiet = StopSignals(), StopSignals(), StopSignals()
+    warned._record(signal.SIGUSR1, None)
+    cancelled._record(signal.SIGTERM, None)
+    assert quiet.code == 0 and StopSignals.name_of(0) is None
+    assert StopSignals.name_of(max(warned.code, quiet.code)) == "SIGUSR1"
+    assert StopSignals.name_of(max(warned.code, cancelled.code, quiet.code)) == "SIGTERM"
+    cancelled._record(signal.SIGUSR1, None)  # a rank keeps its highest-precedence signal
+    assert cancelled.received == "SIGTERM"
+    warned._record(signal.SIGTERM, None)  # a cancel after the warning is a cancel
+    assert warned.received == "SIGTERM"
 
 
 def test_the_guard_counts_only_steps_in_a_row():
