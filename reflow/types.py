@@ -1,7 +1,18 @@
-"""The data a decoupled run's roles exchange: the sample, and the typed data-plane messages.
+"""The vocabulary of a decoupled run's roles, in one place: the sample and its life, the commands, and the
+typed data-plane messages.
 
-Commands go from trainer rank 0 to the rollout workers on the control plane (``reflow.modes.commands``);
-everything else goes on the data plane as one of these (``DataMessage``), never as a dict:
+A ``Sample`` moves through the ``SampleStage``s and only along ``NEXT_STAGES`` (``Sample.enter`` refuses any
+other move): the rollout worker that scored it sends it, trainer shards receive, move, hand over, train and
+retire it (``docs/decoupled_protocol.md``, "A sample's life").
+
+Commands go from trainer rank 0 to the rollout workers on the control plane (``Command``):
+
+  SyncWeights  join the weight sync to a version now
+  Progress     the trainer's counts a rollout worker's dispatch budget and router need
+  Transition   the placement changes after this step
+  Stop         training is over
+
+Everything else goes on the data plane as one of these, never as a dict:
 
   GroupDone    rollout worker -> the trainer shard its router chose: a finished, scored group
   Moved        trainer shard -> trainer shard: eligible samples another shard's batch needs (``plan_moves``)
@@ -18,6 +29,7 @@ and, in the trainer's one collective of its wait loop, each shard's ``ShardReadi
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol, Sequence
@@ -27,6 +39,43 @@ from reflow.scheduler.dispatch import WorkerReport
 if TYPE_CHECKING:
     from reflow.rollout.request import Request
 from reflow.scheduler.routing import Move, ShardCounts, plan_moves
+
+
+class SampleStage(enum.Enum):
+    """Where a sample is in its life. Eligibility for a batch is not a stage: a RECEIVED sample is eligible at a
+    version while its staleness is within [min_staleness, delta], which the version moves, not an event."""
+
+    FINISHED = "finished"
+    """Its group finished and was scored, in a rollout worker."""
+    SENT = "sent"
+    """On the data plane to the trainer shard its router chose (``GroupDone``)."""
+    RECEIVED = "received"
+    """In a trainer shard's buffer, never trained."""
+    MOVED = "moved"
+    """Given by one trainer shard to another whose batch needs it (``Moved``), not yet arrived."""
+    HANDED_OVER = "handed_over"
+    """A leaving shard's buffer on its way to its heir at a placement change (``Handover``)."""
+    TRAINED = "trained"
+    """Trained at least once and kept for replay (the replay filter accepted it)."""
+    DROPPED = "dropped"
+    """Trained, and then dropped from replay: the filter refused it, or it aged past delta. Final."""
+    EVICTED = "evicted"
+    """Never trained: it arrived or aged past its bound, or dynamic sampling filtered its group. Final."""
+
+
+NEXT_STAGES: dict[SampleStage, frozenset[SampleStage]] = {
+    SampleStage.FINISHED: frozenset({SampleStage.SENT}),
+    SampleStage.SENT: frozenset({SampleStage.RECEIVED, SampleStage.EVICTED}),
+    SampleStage.RECEIVED: frozenset({
+        SampleStage.MOVED, SampleStage.HANDED_OVER, SampleStage.TRAINED, SampleStage.DROPPED, SampleStage.EVICTED,
+    }),
+    SampleStage.MOVED: frozenset({SampleStage.RECEIVED}),
+    SampleStage.HANDED_OVER: frozenset({SampleStage.RECEIVED, SampleStage.TRAINED}),
+    SampleStage.TRAINED: frozenset({SampleStage.TRAINED, SampleStage.DROPPED, SampleStage.HANDED_OVER}),
+    SampleStage.DROPPED: frozenset(),
+    SampleStage.EVICTED: frozenset(),
+}
+"""The moves a sample may make: what the roles do to it, and nothing else (a test walks them)."""
 
 
 @dataclass
@@ -63,6 +112,19 @@ class Sample:
     shaping; None in a sample scored by the task alone."""
     use_count: int = 0
     inserted_at: float = field(default_factory=time.time)
+    stage: SampleStage = SampleStage.FINISHED
+    """Where it is in its life (``SampleStage``); a sample of an older checkpoint reads the default."""
+
+    def enter(self, stage: SampleStage) -> None:
+        """Move to ``stage``; a move ``NEXT_STAGES`` does not allow is a bug in a role: it raises."""
+        if stage not in NEXT_STAGES[self.stage]:
+            raise RuntimeError(f"sample {self.uid}: no move from {self.stage.value} to {stage.value}")
+        self.stage = stage
+
+    @property
+    def buffered_stage(self) -> SampleStage:
+        """The stage of this sample in a shard's buffer: RECEIVED if never trained, else TRAINED."""
+        return SampleStage.RECEIVED if self.use_count == 0 else SampleStage.TRAINED
 
     @property
     def birth_version(self) -> int:
@@ -135,6 +197,51 @@ class EvalShare:
 @dataclass(frozen=True)
 class Flush:
     pass
+
+
+# ---- commands: trainer rank 0 -> rollout workers, on the control plane ------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncWeights:
+    """Join the weight sync to ``version`` now (holding in-flight requests as partial rollouts)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The trainer's progress as this rollout worker needs it (cumulative counts, so a late or repeated word is
+    harmless). Sent after every step (after that step's SyncWeights) and whenever the counts change while the
+    trainer waits."""
+
+    steps_done: int
+    retired: int
+    """Samples of this worker trained for the first time or evicted unused, over all trainer shards."""
+    granted: int | None = None
+    """Samples the global dispatcher has granted this worker so far (scheduler.kv_admission in async and
+    reflow); None with fixed shares."""
+    shard_unused: tuple[int, ...] | None = None
+    """Unused samples per trainer shard when this word was sent: where finished groups are routed."""
+    filtered: int = 0
+    """Of this worker's retired samples, those dropped for carrying no signal (dynamic sampling): they give
+    their per-step credit (B_max) back."""
+
+
+@dataclass(frozen=True)
+class Transition:
+    """The placement changes to ``replicas`` trainer replicas after this step: hold what is in flight as partial
+    rollouts and join the transition (``reflow.modes.transition``), which hands them to the new placement."""
+
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Training is over: drop in-flight requests, send END on the data plane, exit."""
+
+
+Command = SyncWeights | Progress | Transition | Stop
 
 
 @dataclass(slots=True)

@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from reflow.modes.commands import Command
-    from reflow.types import DataMessage
+    from reflow.types import Command, DataMessage
 
 
 @runtime_checkable

@@ -186,3 +186,26 @@ class ControlChannel:
             self.outbox.close(self.recipients)
         if self.inbox is not None:
             self.inbox.join()
+
+
+@dataclass
+class Planes:
+    """One rank's ends of the two planes of a decoupled run."""
+
+    control: ControlChannel
+    """Commands from rank 0 (which trains in every placement) to any other rank."""
+    inbox: Inbox
+    """Data from every other rank: any rank may train or generate over the run, so any may send."""
+    outbox: Outbox
+
+
+def open_planes(rank: int, world_size: int) -> Planes:
+    """Every rank, at the same point (``new_group`` is collective): a gloo group per plane and its threads."""
+    data_group = dist.new_group(backend="gloo")
+    control_group = dist.new_group(backend="gloo")
+    others = [r for r in range(world_size) if r != rank]
+    return Planes(
+        ControlChannel(control_group, rank, 0, [r for r in range(world_size) if r != 0]),
+        Inbox(data_group, others, "data"),
+        Outbox(data_group, "data"),
+    )

@@ -10,48 +10,44 @@ deadlocks: ``docs/decoupled_protocol.md``. The roles:
                                              evaluations, placement decisions
   ``RolloutWorker``    (``rollout_worker``)  one engine's loop: commands, admission, generation, routing
   ``change_placement`` (``transition``)      a placement change on every rank
+  ``DataRouter``       (``data_router``)     this rank's data-plane messages, to the roles it holds
   ``resume``                                 what a checkpoint saves of the replay state, and its restore
   ``ledger``                                 where every sample went, per rank
+  ``live_backends``                          the roles' live protocols, and the factories that wire them
 
-This module keeps the live wiring: which role each rank has in the current placement, the message routing
-between the planes and the roles, the trainer role's live backends (``PolicyTrainer``, the weight sync, the
-data plane for moves) and each step's metrics.
+This module is the live wiring only: which roles this rank holds in the current placement, the order in
+which a rank plays them over the run (``run``), and each step's row.
 """
 
 from __future__ import annotations
 
 import time
 
-import torch
-import torch.distributed as dist
-
-from reflow.algorithms.aggregation import replay_gradient_share
-from reflow.algorithms.settings import advantage_estimator
 from reflow.config.mode_settings import resolve_settings
-from reflow.dataplane import ControlChannel, Inbox, Outbox
-from reflow.dataplane.collectives import GlooReadinessExchange
-from reflow.dataplane.transport import DATA
+from reflow.dataplane import open_planes
 from reflow.distributed.placement import Placement
 from reflow.modes.base import Components, ModeBase, StepTimer
-from reflow.modes.commands import Stop, Transition
+from reflow.modes.data_router import POLL_S, DataRouter
 from reflow.modes.leader import Leader
 from reflow.modes.ledger import merge_rollout_ledger, new_ledger, write_ledger
-from reflow.modes.live_backends import LivePlacementLinks, LiveWeightPublisher, OutboxMover, PolicyTrainerBackend
+from reflow.modes.live_backends import (
+    LivePlacementLinks,
+    agree_on_placement,
+    batch_per_shard,
+    live_rollout_worker,
+    live_shard,
+    live_trainer_role,
+    transition_event,
+)
 from reflow.modes.prompts import initial_shares, reassign
 from reflow.modes.replay_metrics import replay_cycle_metrics
-from reflow.modes.resume import restore_shard, save_shard
-from reflow.modes.rollout_worker import RolloutWorker
-from reflow.modes.trainer_role import Poll, TrainerRole
+from reflow.modes.resume import replay_checkpoint, restore_replay_state
+from reflow.modes.trainer_role import Poll
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.modes.transition import ChangePlan, RankState, TrainerClock, change_placement
-from reflow.replay import ReplayBuffer, build_filter, build_sampler
-from reflow.rollout.admission import AdmissionGate
-from reflow.rollout.groups import PromptGroups, evaluate_share
-from reflow.rollout.scoring import TaskScorer
 from reflow.rollout.tensor_parallel import engine_mirror, follow
-from reflow.rollout.turns import TurnDriver
-from reflow.scheduler import DispatchBudget, ForcedSchedule, PlacementController, PlacementPlanner, PlannerSettings
-from reflow.types import EvalShare, Flush, GroupDone, Handover, HeldGroup, Moved, WorkerStats
+from reflow.scheduler import build_controller
+from reflow.types import HeldGroup, Stop, Transition
 
 
 class DecoupledMode(ModeBase):
@@ -64,108 +60,60 @@ class DecoupledMode(ModeBase):
         self.staleness_anchor = self.settings.anchor
         self.evaluates_in_loop = False  # the rollout workers evaluate at weight syncs (``RolloutWorker._evaluate``)
         self.rank = parts.rank
-        # planes: created by every rank at the same point (new_group is collective). Any rank may train or
-        # generate over the run, so every rank can send and receive data; commands go from rank 0 (which
-        # trains in every placement) to any other rank.
-        data_group = dist.new_group(backend="gloo")
-        control_group = dist.new_group(backend="gloo")
-        others = [r for r in range(parts.world_size) if r != parts.rank]
-        everyone_but_leader = [r for r in range(parts.world_size) if r != 0]
-        self.control = ControlChannel(control_group, parts.rank, 0, everyone_but_leader)
-        self.inbox = Inbox(data_group, others, "data")
-        self.outbox = Outbox(data_group, "data")
+        self.planes = open_planes(parts.rank, parts.world_size)  # (collective: every rank, at the same point)
         self.steps_done = 0
         self.ledger = new_ledger()
         self.shard: TrainerShard | None = None
-        controller = self._placement_controller()
+        controller = build_controller(
+            parts.schedule, cfg.scheduler, parts.world_size, parts.placement.shard_degree, tuple(parts.layouts),
+            self.settings.sigma, cfg.training.prompts_per_step * cfg.training.group_size,
+        )
         self.places = controller is not None
         """Whether a placement controller runs (every trainer rank joins its decision's broadcast)."""
-        self.leader = Leader(self.control, cfg.training.group_size, controller) if parts.rank == 0 else None
+        self.leader = Leader(self.planes.control, cfg.training.group_size, controller) if parts.rank == 0 else None
+        self.router = DataRouter(self.planes.inbox, parts.rank, self.leader)
         self.shares: list | None = None  # the rollout workers' prompt shares, made once the resume point is known
         # the prompt stream's position for checkpoints (``reflow.modes.resume``)
         self.prompt_frontier = 0
         self.prompt_holes: list[int] = []
         self.change_to: int | None = None
-        self.flushed: set[int] = set()  # rollout workers whose FLUSH arrived (placement changes)
         self.carried: list[HeldGroup] = []  # partial rollouts across a placement change: held, then to resume
         self.mirror = engine_mirror(parts.placement.world_size, parts.placement.rollout_tp, parts.rank)
         self.enter(parts.placement)
         if self.is_trainer and not parts.placement.is_rollout(parts.rank):
             parts.engine.sleep()  # frees accelerator memory while this rank trains
 
-    def _placement_controller(self) -> PlacementController | None:
-        parts, cfg = self.parts, self.parts.cfg
-        if parts.schedule:
-            return ForcedSchedule(parts.schedule)
-        if cfg.scheduler.adaptive_placement:
-            return PlacementPlanner(PlannerSettings.from_section(
-                cfg.scheduler, parts.world_size, parts.placement.shard_degree, tuple(sorted(parts.layouts)),
-                self.settings.sigma, cfg.training.prompts_per_step * cfg.training.group_size,
-            ))
-        return None
-
     # ================================================================ roles of the current placement
 
     def enter(self, placement: Placement) -> None:
         """Take up this rank's roles in ``placement`` (at startup and after a transition). Every dispatch budget
         starts at the current step; a shard kept from the previous placement counts its samples against none."""
-        cfg = self.parts.cfg
+        parts, cfg = self.parts, self.parts.cfg
         self.placement = placement
         self.trainer_ranks = placement.trainer_ranks
         self.rollout_workers = placement.rollout_workers  # one per engine: every rollout rank, or each TP block's first
         self.is_trainer = placement.is_trainer(self.rank)
         # a rank of a tensor-parallel engine that generates but does not lead it replays its leader's calls
         self.is_follower = not self.is_trainer and self.rank not in self.rollout_workers
-        self.parts.engine.mirror = self.mirror if self.mirror is not None and self.rank in self.rollout_workers else None
-        self.batch_per_shard = cfg.training.prompts_per_step * cfg.training.group_size // len(self.trainer_ranks)
+        parts.engine.mirror = self.mirror if self.mirror is not None and self.rank in self.rollout_workers else None
         if self.leader is not None:
             self.leader.enter(self.rollout_workers, self._new_dispatcher())
         if self.is_trainer:
-            index, num_rollout = self.trainer_ranks.index(self.rank), len(self.rollout_workers)
             if self.shard is None:
-                self.shard = TrainerShard(
-                    self._new_buffer(), index, num_rollout, self.batch_per_shard, self.ledger,
-                    dynamic_sampling=cfg.reward.dynamic_sampling,
-                )
+                self.shard = live_shard(parts, self.settings, placement, self.ledger, self.version)
             else:
-                self.shard.index, self.shard.batch_per_shard = index, self.batch_per_shard
-                self.shard.restart_budgets(num_rollout)
-            parts = self.parts
-            self.role = TrainerRole(
-                [self.shard], self.settings.interval,
-                GlooReadinessExchange(self.trainer_group, index, len(self.trainer_ranks), num_rollout),
-                OutboxMover(self.outbox, self.trainer_ranks),
-                PolicyTrainerBackend(parts.trainer, parts.tokenizer.pad_id, self.settings.tau, self.settings.max_head_lag,
-                                     cfg.loss.mask_truncated),
-                LiveWeightPublisher(self.weight_sync, parts.trainer, parts.engine, self.leader, self.control,
-                                    self.rollout_workers, cfg.metrics.eval_interval),
-                board=self.leader, first_use=self.first_use_advantages,
-            )
+                self.shard.rejoin(self.trainer_ranks.index(self.rank), batch_per_shard(cfg, placement),
+                                  len(self.rollout_workers))
+            self.role = live_trainer_role(parts, self.settings, placement, self.shard, self.weight_sync, self.leader,
+                                          self.planes.control, self.planes.outbox, self.first_use_advantages)
+        self.router.shard = self.shard
         if self.shares is not None:
             self.shares = reassign(self.shares, len(self.rollout_workers))
 
-    def _new_buffer(self) -> ReplayBuffer:
-        cfg = self.parts.cfg
-        buffer = ReplayBuffer(
-            self.settings.sigma, self.settings.delta, build_sampler(cfg.replay.sampler),
-            build_filter(cfg.replay.filter, cfg.replay.filter_reward_low, cfg.replay.filter_reward_high),
-            seed=cfg.job.seed + self.rank, min_staleness=self.settings.min_staleness, anchor=self.settings.anchor,
-        )
-        buffer.start_version = self.version
-        return buffer
-
     def _new_dispatcher(self):
-        """The leader's dealer of this placement's dispatch room (scheduler.kv_admission, which only async and
-        reflow accept), starting at the current step; None when every rollout worker owns a fixed share."""
         cfg = self.parts.cfg
-        if not self.dealt_dispatch:
-            return None
         return Leader.new_dispatcher(self.settings.dispatch, len(self.rollout_workers), cfg.training.group_size,
-                                     cfg.scheduler.rho, self.step)
-
-    @property
-    def dealt_dispatch(self) -> bool:
-        return self.parts.cfg.scheduler.kv_admission
+                                     cfg.scheduler.rho, self.step, dealt=cfg.scheduler.kv_admission)
 
     @property
     def trainer_group(self):
@@ -175,53 +123,18 @@ class DecoupledMode(ModeBase):
     def weight_sync(self):
         return self.parts.weight_syncs[self.placement.replicate_degree]
 
-    # ================================================================ the data plane, to the roles
-
-    def receive(self) -> None:
-        """Hand every data-plane message that arrived to the role it is for."""
-        for message in self.inbox.drain():
-            if message.kind != DATA:
-                continue
-            body = message.body
-            if isinstance(body, (GroupDone, Moved, Handover)) and self.shard is None:
-                raise RuntimeError(f"rank {self.rank} generates but received samples from rank {message.src}")
-            if isinstance(body, GroupDone):
-                self.shard.accept_group(body.samples, self.version)
-            elif isinstance(body, Moved):
-                self.shard.accept_moved(body.samples)
-            elif isinstance(body, Handover):
-                self.shard.accept_handover(body.samples, body.draws)
-            elif isinstance(body, WorkerStats):
-                self.leader.receive_stats(message.src, body)
-            elif isinstance(body, EvalShare):
-                self.leader.evaluations.add(body)
-            elif isinstance(body, Flush):
-                self.flushed.add(message.src)
-            else:
-                raise TypeError(f"rank {self.rank}: unknown data-plane message {body!r} from rank {message.src}")
-
-    def settle_moves(self) -> None:
-        """Receive until every sample other shards are moving to this one has arrived."""
-        while self.shard.awaiting_moved:
-            self.receive()
-            time.sleep(0.002)
-
     # ================================================================ trainer side
-
-    def _wait_for_batch(self) -> None:
-        """Block (idle) until every trainer shard can serve a batch of exactly b/A and no move between shards is
-        pending or due; all trainer ranks leave together (R3, R4)."""
-        while True:
-            self.receive()
-            if self.role.poll(self.version, self.steps_done) is Poll.READY:
-                return
-            time.sleep(0.002)
 
     def train_one_step(self, step: int) -> dict:
         timer = StepTimer(self.parts.timeline)
-        # 1. wait until every shard can serve a batch of exactly b/A (fresh samples within the staleness bound)
+        # 1. wait (idle) until every shard can serve a batch of exactly b/A and no move between shards is pending
+        #    or due; all trainer ranks leave together (R3, R4)
         with timer("wait"):
-            self._wait_for_batch()
+            while True:
+                self.router.receive(self.version)
+                if self.role.poll(self.version, self.steps_done) is Poll.READY:
+                    break
+                time.sleep(POLL_S)
         # 2-6. the trainer role's step: plan, first-use advantages, train, retire, sync at sync points, progress
         done = self.role.step(self.version, step, phase=timer)
         trained = done.stats
@@ -231,55 +144,17 @@ class DecoupledMode(ModeBase):
         )
         self._drawn = max([self._drawn] + [s.draw + 1 for s in done.fresh])
         self.version, self.steps_done = done.version, step
-        # 7. metrics over the trainer ranks
+        # 7. the row, over the trainer ranks: the trainer's figures, the replay cycle's, and the leader's
         row = self.step_metrics(
             done.fresh, done.trained, trained["stats"], timer, done.trained_version, trainer_wait_s=timer.get("wait"),
             loss_tokens=trained["loss_tokens"],
         )
-        lag_buckets = max(self.max_staleness, self.settings.max_head_lag or 0) + 2
         row.update(replay_cycle_metrics(self.shard, done.plans[0], done.trained_version, trained["model_tokens"],
-                                        trained["masked"], lag_buckets, self.trainer_group))
-        row.update(
-            trainer_wait_s=timer.get("wait"),
-            alpha=replay_gradient_share(row["replay_fraction"], self.settings.tau),
-            placement=self.placement.name,
-        )
+                                        trained["masked"], self.settings, self.trainer_group))
+        row.update(trainer_wait_s=timer.get("wait"), placement=self.placement.name)
         if self.leader is not None:
-            row.update(self.leader.rollout_window.close())
-            dealt = self.leader.take_dealt()
-            if dealt is not None:
-                row["dispatched_groups"] = dealt
-            row.update(self.leader.evaluations.finished())
+            row.update(self.leader.step_row())
         return row
-
-    # ================================================================ rollout side
-
-    def _rollout_worker(self) -> RolloutWorker:
-        parts = self.parts
-        index = self.rollout_workers.index(self.rank)
-        budget = DispatchBudget(
-            self.settings.dispatch, index, len(self.rollout_workers), parts.cfg.training.group_size,
-            start_step=self.step, dealt=self.dealt_dispatch,
-        )
-        cfg, training = parts.cfg, parts.cfg.training
-        num_rollout = len(self.rollout_workers)
-        # evaluation runs on a driver of its own: trajectories of the run waiting on a tool stay in ``parts.turns``
-        eval_turns = TurnDriver(parts.engine, parts.task, parts.tokenizer, cfg.task.tool_workers)
-
-        def evaluate(version: int) -> tuple[float, int]:
-            return evaluate_share(parts, eval_turns, cfg.metrics.eval_num_prompts, index, num_rollout)
-
-        return RolloutWorker(
-            parts.engine, parts.turns,
-            PromptGroups(self.stream, self.shares[index], parts.task, parts.tokenizer, training.group_size,
-                         cfg.rollout.max_new_tokens, cfg.job.seed),
-            TaskScorer(parts.task, parts.tokenizer, advantage_estimator(cfg), parts.rewards),
-            self.weight_sync, self.control, self.outbox, budget,
-            AdmissionGate(cfg.scheduler, cfg.rollout, parts.engine, training.group_size, parts.turns, clock=time.time),
-            index, self.trainer_ranks, evaluate=evaluate, eval_interval=cfg.metrics.eval_interval,
-            evaluate_first=self._evaluates_start, carried=self.carried,
-            first_tokens_before_sync=self.settings.first_tokens_before_sync, timeline=parts.timeline,
-        )
 
     @property
     def _evaluates_start(self) -> bool:
@@ -294,7 +169,11 @@ class DecoupledMode(ModeBase):
         until it ends (Stop, or a placement change at a sync point), change placement, repeat; 4. shut down."""
         # 1. resume
         self.resume()
-        self._restore()
+        position = restore_replay_state(self.parts.checkpoints, self.shard, len(self.trainer_ranks), self.ledger,
+                                        self.leader, self.parts.logger.info)
+        if position is not None:
+            self.prompt_frontier, self.prompt_holes = position.frontier, list(position.holes)
+            self._drawn = position.frontier
         self.steps_done = self.step
         if self.leader is not None:
             self.leader.enter(self.rollout_workers, self._new_dispatcher())  # its budgets start at the resumed step
@@ -321,12 +200,16 @@ class DecoupledMode(ModeBase):
                 # a run that stopped early may have decided a change: its checkpoint holds it for the resumed run
                 target = None if self.finished else self.change_to
                 if self.leader is not None:
-                    self.control.broadcast(Transition(target) if target else Stop(), self.rollout_workers)
+                    self.planes.control.broadcast(Transition(target) if target else Stop(), self.rollout_workers)
             else:
                 if self.is_follower:
                     command = follow(self.parts.engine, self.mirror, self.weight_sync)
                 else:
-                    worker = self._rollout_worker()
+                    worker = live_rollout_worker(
+                        self.parts, self.settings, self.placement, self.stream,
+                        self.shares[self.rollout_workers.index(self.rank)], self.weight_sync, self.planes.control,
+                        self.planes.outbox, step=self.step, carried=self.carried, evaluate_first=self._evaluates_start,
+                    )
                     command = worker.run()
                     self.carried = worker.carried_out
                     merge_rollout_ledger(self.ledger, worker.ledger)
@@ -334,8 +217,17 @@ class DecoupledMode(ModeBase):
             if target is None:
                 break
             self._transition(target)
-        # 4. shut down
-        self._shut_down()
+        # 4. shut down: END to every other rank, drain until END from every other rank (rank 0 logs an evaluation
+        #    of the final policy that finished meanwhile, in a row of its own), close the planes
+        self.planes.outbox.close([r for r in range(self.parts.world_size) if r != self.rank])
+        self.router.drain_to_end(self.version)
+        final_eval = self.leader.evaluations.finished() if self.leader is not None else {}
+        if final_eval:
+            self.parts.logger.log(self.step, final_eval)
+        if self.shard is not None:
+            self.shard.leave_at_end()
+        self.planes.control.close()
+        write_ledger(self.ledger, self.parts.cfg.job.dump_folder, self.rank, self.is_trainer)
         return history
 
     def pause_requested(self, row: dict) -> bool:
@@ -346,111 +238,47 @@ class DecoupledMode(ModeBase):
             self.leader.placement_rows.append({**row, "step": self.step})
         if self.version % self.settings.interval:
             return False
-        target = torch.zeros(1, dtype=torch.long)
-        if self.leader is not None:
-            decision = self.leader.decide_placement(self.step, self.placement.replicate_degree)
-            target[0] = decision.target or 0
-            if self.leader.logs_decision(decision):
-                self.parts.logger.log(self.step, decision.as_row())
-                self.parts.logger.info(f"placement decision after step {self.step}: {decision.reason}")
-        dist.broadcast(target, src=0, group=self.trainer_group)
-        self.change_to = int(target.item()) or None
+        self.change_to = agree_on_placement(self.leader, self.step, self.placement.replicate_degree,
+                                            self.trainer_group, self.parts.logger)
         return self.change_to is not None
 
     def _transition(self, replicas: int) -> None:
-        with self.parts.timeline.span("transition", replicas=replicas):
-            event = self._change_placement(replicas)
-        self.parts.timeline.role("trainer" if self.placement.is_trainer(self.parts.rank) else "rollout")
+        """Every rank: ``change_placement``'s steps 1-4, then this rank's roles in the new placement and its weight
+        sync (weights into every engine that generates now; one that was asleep wakes in load_weights)."""
+        parts, t0 = self.parts, time.perf_counter()
+        with parts.timeline.span("transition", replicas=replicas):
+            plan = ChangePlan.to(self.placement, replicas)
+            links = LivePlacementLinks(self.planes.outbox, self.router, self.version, parts.world_size)
+            clock = TrainerClock(self.step, self.version, self.steps_done, self._drawn)
+            before = RankState(clock, self.shard, self.shares, self.carried)
+            after, resized = change_placement(plan, self.rank, before, links, parts.engine, parts.trainer,
+                                              bucket_bytes=int(parts.cfg.weight_sync.bucket_size_mb * 2**20))
+            self.step, self.version, self.steps_done, self._drawn = (
+                after.clock.step, after.clock.version, after.clock.steps_done, after.clock.drawn,
+            )
+            self.shard, self.shares, self.carried = after.shard, after.shares, after.carried
+            self.enter(plan.new)  # (the budgets start afresh: no sample a shard holds counts against the old ones)
+            self.weight_sync.sync(parts.trainer if self.is_trainer else None, parts.engine, self.version)
+            event = transition_event(plan, resized, time.perf_counter() - t0, self.rank, self.step)
+        parts.timeline.role("trainer" if self.placement.is_trainer(self.rank) else "rollout")
         self.ledger["transitions"].append(event)
         if self.leader is not None:
             self.leader.placement_rows.append(event)  # the controller learns what the change cost
-            self.parts.logger.log(self.step, {k: v for k, v in event.items() if k != "after_step"})
-            self.parts.logger.info(f"placement {event['transition']} after step {self.step} in {event['transition_s']:.2f}s")
-
-    def _change_placement(self, replicas: int) -> dict:
-        """Every rank: ``change_placement``'s steps 1-4, then this rank's roles in the new placement and its weight
-        sync (weights into every engine that generates now; one that was asleep wakes in load_weights); returns
-        the change's event row."""
-        parts, t0 = self.parts, time.perf_counter()
-        plan = ChangePlan.to(self.placement, replicas)
-        links = LivePlacementLinks(self.outbox, self.receive, self.flushed, self.settle_moves, parts.world_size)
-        clock = TrainerClock(self.step, self.version, self.steps_done, self._drawn)
-        before = RankState(clock, self.shard, self.shares, self.carried)
-        after, resized = change_placement(plan, self.rank, before, links, parts.engine, parts.trainer,
-                                          bucket_bytes=int(parts.cfg.weight_sync.bucket_size_mb * 2**20))
-        self.step, self.version, self.steps_done, self._drawn = (
-            after.clock.step, after.clock.version, after.clock.steps_done, after.clock.drawn,
-        )
-        self.shard, self.shares, self.carried = after.shard, after.shares, after.carried
-        self.enter(plan.new)  # (the budgets start afresh: no sample a shard holds counts against one of the old placement's)
-        self.weight_sync.sync(parts.trainer if self.is_trainer else None, parts.engine, self.version)
-        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        moved = torch.tensor([resized.bytes_moved], dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        dist.all_reduce(moved)
-        return {
-            "transition": f"{plan.old.name} -> {plan.new.name}", "direction": resized.direction if self.rank == 0 else "",
-            "placement": plan.new.name, "transition_s": seconds.item(), "bytes_moved": int(moved.item()),
-            "after_step": self.step,
-        }
-
-    def _shut_down(self) -> None:
-        """END to every other rank on the data plane; drain until END from every other rank (rank 0 logs an
-        evaluation of the final policy that finished meanwhile); close the planes."""
-        self.outbox.close([r for r in range(self.parts.world_size) if r != self.rank])
-        while not self.inbox.done:
-            self.receive()
-            time.sleep(0.005)
-        self.receive()
-        self.inbox.join()
-        final_eval = self.leader.evaluations.finished() if self.leader is not None else {}
-        if final_eval:  # the last weight sync's evaluation arrived after the last step's row: a row of its own
-            self.parts.logger.log(self.step, final_eval)
-        if self.shard is not None:
-            self.shard.leave_at_end()
-        self.control.close()
-        write_ledger(self.ledger, self.parts.cfg.job.dump_folder, self.rank, self.is_trainer)
+            parts.logger.log(self.step, {k: v for k, v in event.items() if k != "after_step"})
+            parts.logger.info(f"placement {event['transition']} after step {self.step} in {event['transition_s']:.2f}s")
 
     # ================================================================ checkpoints (``reflow.modes.resume``)
 
     def checkpoint_state(self) -> tuple[dict, dict[str, object]]:
         """Beside the trainer's state: each shard's replay buffer, and on rank 0 the prompt stream's position and
-        the placement controller's memory. One all-gather of the draws delivered over the trainer group."""
-        self.settle_moves()  # a sample moving between shards is in one of them when saved
+        the placement controller's memory."""
+        self.router.settle_moves(self.version)  # a sample moving between shards is in one of them when saved
         extra, files = super().checkpoint_state()
-        position, saved = save_shard(self.shard, self.prompt_frontier, self.prompt_holes,
-                                     regenerate=self.settings.min_staleness > 0, group=self.trainer_group)
-        extra["prompts_drawn"] = position.frontier
+        extra["prompts_drawn"], replay_files = replay_checkpoint(
+            self.shard, self.prompt_frontier, self.prompt_holes, regenerate=self.settings.min_staleness > 0,
+            group=self.trainer_group, leader=self.leader,
+        )
+        files.update(replay_files)
         # the step's placement decision came first: a change it decided is the placement a resumed run takes up
         extra["trainer_replicas"] = self.change_to or self.placement.replicate_degree
-        files[f"replay-shard{self.shard.index}"] = saved
-        if self.rank == 0:
-            files["prompt-stream"] = {"frontier": position.frontier, "holes": list(position.holes)}
-            controller = self.leader.controller_state()
-            if controller is not None:
-                files["placement-controller"] = controller
         return extra, files
-
-    def _restore(self) -> None:
-        """After ``resume``: the prompt stream's position, each trainer shard's share of the saved buffers, and on
-        rank 0 the placement controller's memory."""
-        checkpoints = self.parts.checkpoints
-        stream = checkpoints.read_files("prompt-stream").get("prompt-stream")
-        if stream is None:  # a checkpoint without it (sync mode's): the furthest prompt drawn
-            return
-        controller = checkpoints.read_files("placement-controller").get("placement-controller")
-        if self.leader is not None and controller is not None:
-            refused = self.leader.load_controller_state(controller)
-            if refused is not None:
-                self.parts.logger.info(refused)
-        self.prompt_frontier, self.prompt_holes = stream["frontier"], list(stream["holes"])
-        self._drawn = self.prompt_frontier
-        restored = 0
-        if self.is_trainer:
-            restored = restore_shard(self.shard, checkpoints.read_files("replay-shard"), len(self.trainer_ranks), self.ledger)
-        count = torch.tensor([restored], dtype=torch.long)
-        dist.all_reduce(count)
-        self.parts.logger.info(
-            f"restored {int(count.item())} replay-buffer samples; {len(self.prompt_holes)} prompts admitted but not "
-            f"delivered at the checkpoint are generated again; the stream continues at draw {self.prompt_frontier}"
-        )

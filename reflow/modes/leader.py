@@ -18,12 +18,11 @@ other trainer rank, and broadcasts the leader's placement answer itself. Its wor
 from __future__ import annotations
 
 from reflow.dataplane.protocols import CommandSink
-from reflow.modes.commands import Progress
 from reflow.scheduler import PlacementController
 from reflow.scheduler.dispatch import DispatchRule, GroupDispatcher
 from reflow.scheduler.placement import ForcedSchedule
 from reflow.scheduler.planner import PlacementDecision
-from reflow.types import ENGINE_WINDOW_KEYS, EvalShare, TrainerView, WorkerStats
+from reflow.types import ENGINE_WINDOW_KEYS, EvalShare, Progress, TrainerView, WorkerStats
 
 
 class RolloutWindow:
@@ -118,8 +117,12 @@ class Leader:
         self.rollout_window.clear()  # the previous placement's rollout ranks do not count in the new one's ratio
 
     @staticmethod
-    def new_dispatcher(rule: DispatchRule, num_rollout: int, group_size: int, rho: float, step: int) -> GroupDispatcher | None:
-        return GroupDispatcher(rule, num_rollout, group_size, rho, start_step=step) if num_rollout else None
+    def new_dispatcher(
+        rule: DispatchRule, num_rollout: int, group_size: int, rho: float, step: int, *, dealt: bool,
+    ) -> GroupDispatcher | None:
+        """The dealer of a placement's dispatch room, starting at ``step`` (scheduler.kv_admission, which only
+        async and reflow accept); None when every rollout worker owns a fixed share or none generates."""
+        return GroupDispatcher(rule, num_rollout, group_size, rho, start_step=step) if dealt and num_rollout else None
 
     # ---- data plane --------------------------------------------------------------------
 
@@ -146,6 +149,16 @@ class Leader:
         for worker, rank in enumerate(self.rollout_workers):
             grant = granted[worker] if granted is not None else None
             self.sink.send(rank, Progress(steps_done, view.retired[worker], grant, view.unused, view.filtered[worker]))
+
+    def step_row(self) -> dict:
+        """The leader's part of a step's row: the rollout window, the groups dealt since the previous step (under
+        a dealing dispatcher) and an evaluation that finished meanwhile."""
+        row = self.rollout_window.close()
+        dealt = self.take_dealt()
+        if dealt is not None:
+            row["dispatched_groups"] = dealt
+        row.update(self.evaluations.finished())
+        return row
 
     def take_dealt(self) -> dict[str, int] | None:
         """Groups the dispatcher granted each rollout rank since the previous step (None: fixed shares)."""

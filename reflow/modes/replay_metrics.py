@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from reflow.algorithms.aggregation import replay_gradient_share
+from reflow.config.mode_settings import ModeSettings
 from reflow.dataplane.collectives import reduce_stats
 from reflow.modes.ledger import EVICTION_CAUSES, FILTERED
 from reflow.modes.trainer_shard import TrainerShard
@@ -22,7 +24,8 @@ def survival_by_decile(retired: list[tuple[int, bool]]) -> list[float]:
 
 
 def replay_cycle_metrics(
-    shard: TrainerShard, plan: BatchPlan, trained_version: int, model_tokens: int, masked: int, lag_buckets: int, group,
+    shard: TrainerShard, plan: BatchPlan, trained_version: int, model_tokens: int, masked: int, settings: ModeSettings,
+    group,
 ) -> dict:
     """What the replay cycle did in this step, over the trainer ranks: fresh and replayed samples, what arrived
     (its count, response length and reward, evicted samples included: ``reward_mean`` is over trained ones),
@@ -30,10 +33,11 @@ def replay_cycle_metrics(
     the trained policy), the model tokens masked for lagging more than max_head_lag, and survival (trained
     fresh / retired) per decile of response length among the samples retired since the previous step (those
     dynamic sampling filtered left out), and the share of what arrived that dynamic sampling filtered
-    (evicted "no_signal"; 0 when it is off)."""
+    (evicted "no_signal"; 0 when it is off); ``alpha``, the replayed rows' share of the gradient at weight tau.
+    Head lags go in max(delta, max_head_lag) + 2 buckets, the last one holding every lag beyond the others."""
     window = shard.take_window()
-    head_lags = [0] * lag_buckets
-    for sample in plan.fresh:  # the last bucket holds every lag beyond the others
+    head_lags = [0] * (max(settings.delta, settings.max_head_lag or 0) + 2)
+    for sample in plan.fresh:
         head_lags[min(sample.head_lag(trained_version), len(head_lags) - 1)] += 1
     total = reduce_stats(
         {
@@ -53,6 +57,7 @@ def replay_cycle_metrics(
         "fresh_samples": fresh,
         "replayed_samples": replayed,
         "replay_fraction": replayed / max(fresh + replayed, 1),
+        "alpha": replay_gradient_share(replayed / max(fresh + replayed, 1), settings.tau),
         "received_samples": received,
         # what the engines generated, before staleness eviction (response_len_mean is over trained samples)
         "received_response_len_mean": total["received_tokens"] / received if received else 0.0,

@@ -13,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from reflow.types import Sample
 
 if TYPE_CHECKING:
+    from reflow.modes.leader import Leader
     from reflow.modes.trainer_shard import TrainerShard
 
 
@@ -86,3 +88,44 @@ def restore_shard(shard: "TrainerShard", saved: dict[str, dict], num_shards: int
         {"uid": x.uid, "use_count": x.use_count, "versions": x.versions, "advantage": x.advantage} for x in samples
     )
     return len(samples)
+
+
+def replay_checkpoint(
+    shard: "TrainerShard", frontier: int, holes: list[int], *, regenerate: bool, group, leader: "Leader | None",
+) -> tuple[int, dict[str, object]]:
+    """A trainer rank's part of a decoupled checkpoint: the prompt stream's frontier (``prompts_drawn``) and this
+    rank's files: its shard's buffer, and on the leader (rank 0) the stream's position and the placement
+    controller's memory. Every trainer rank calls it at the same point (one all-gather)."""
+    position, saved = save_shard(shard, frontier, holes, regenerate, group)
+    files: dict[str, object] = {f"replay-shard{shard.index}": saved}
+    if leader is not None:
+        files["prompt-stream"] = {"frontier": position.frontier, "holes": list(position.holes)}
+        controller = leader.controller_state()
+        if controller is not None:
+            files["placement-controller"] = controller
+    return position.frontier, files
+
+
+def restore_replay_state(
+    checkpoints, shard: "TrainerShard | None", num_shards: int, ledger: dict, leader: "Leader | None", log,
+) -> StreamPosition | None:
+    """Every rank after the trainer's state was loaded: the leader's placement controller memory, this trainer
+    shard's share of the saved buffers (``restore_shard``), and the prompt stream's position, which it returns
+    (None when the checkpoint has none: sync mode's). ``log(line)`` says what was restored (one all-reduce)."""
+    stream = checkpoints.read_files("prompt-stream").get("prompt-stream")
+    if stream is None:
+        return None
+    controller = checkpoints.read_files("placement-controller").get("placement-controller")
+    if leader is not None and controller is not None:
+        refused = leader.load_controller_state(controller)
+        if refused is not None:
+            log(refused)
+    position = StreamPosition(stream["frontier"], tuple(stream["holes"]))
+    restored = restore_shard(shard, checkpoints.read_files("replay-shard"), num_shards, ledger) if shard is not None else 0
+    count = torch.tensor([restored], dtype=torch.long)
+    dist.all_reduce(count)
+    log(
+        f"restored {int(count.item())} replay-buffer samples; {len(position.holes)} prompts admitted but not "
+        f"delivered at the checkpoint are generated again; the stream continues at draw {position.frontier}"
+    )
+    return position

@@ -38,14 +38,34 @@ from typing import Callable
 
 from reflow.dataplane.protocols import CommandSource, DataSink
 from reflow.metrics.timeline import NullTimeline, Timeline
-from reflow.modes.commands import Command, Progress, Stop, SyncWeights, Transition, apply_progress
 from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.protocols import Engine, GroupScorer, GroupSource, WeightReceiver
 from reflow.rollout.request import Request
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget
 from reflow.scheduler.routing import ShardRouter
-from reflow.types import EvalShare, GroupDone, HeldGroup, Sample, WorkerStats
+from reflow.types import (
+    Command,
+    EvalShare,
+    GroupDone,
+    HeldGroup,
+    Progress,
+    Sample,
+    SampleStage,
+    Stop,
+    SyncWeights,
+    Transition,
+    WorkerStats,
+)
+
+
+def apply_progress(progress: Progress, budget: DispatchBudget, router: ShardRouter) -> None:
+    """A Progress word: the trainer's counts (and the grants, with the global dispatcher) to the dispatch
+    budget, the shards' unused counts to the router. Cumulative counts: a late or repeated word is harmless."""
+    budget.update(progress.steps_done, progress.retired, progress.filtered)
+    if progress.granted is not None:
+        budget.grant(progress.granted)
+    router.update(progress.shard_unused)
 
 
 class GroupAssembler:
@@ -346,6 +366,8 @@ class RolloutWorker:
         if samples is None:
             return
         destination = self.trainer_ranks[self.router.choose(len(samples))]  # R4: bound to a shard on arrival
+        for sample in samples:  # (before the put: the outbox's thread may send them at once)
+            sample.enter(SampleStage.SENT)
         self.outbox.put(destination, GroupDone(samples))
         now = self.clock()
         self.ledger["sent"].extend(

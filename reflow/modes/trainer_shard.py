@@ -23,12 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from reflow.algorithms.shaping import MAX_EXTRA_BATCHES, has_signal
+from reflow.config.mode_settings import ModeSettings
 from reflow.modes.ledger import EVICTION_CAUSES, FILTERED
 from reflow.replay import ReplayBuffer
 from reflow.replay.buffer import BatchPlan
+from reflow.replay.policies import ReplayFilter, Sampler
 from reflow.rewards import outcome_reward
 from reflow.scheduler.routing import Move
-from reflow.types import Sample, ShardReadiness
+from reflow.types import Sample, SampleStage, ShardReadiness
 
 
 @dataclass
@@ -82,6 +84,7 @@ class TrainerShard:
             # DAPO eq. 11: zero advantage under every group baseline, no gradient. Retired at once, so the
             # window reopens; counted as filtered, so its per-step credit comes back (no deadlock under B_max)
             for sample in samples:
+                sample.enter(SampleStage.EVICTED)
                 self._evicted_unused(sample, FILTERED)
                 if 0 <= sample.origin < len(self.filtered):
                     self.filtered[sample.origin] += 1
@@ -97,12 +100,16 @@ class TrainerShard:
         self.filtered_in_a_row = 0
         for sample in samples:  # R2: staleness from the anchor version (the finish, in async and reflow)
             if self.buffer.is_stale(sample, version):
+                sample.enter(SampleStage.EVICTED)
                 self._evicted_unused(sample, "arrived_stale")
             else:
+                sample.enter(SampleStage.RECEIVED)
                 self.buffer.add([sample])
 
     def accept_moved(self, samples: list[Sample]) -> None:
         self.revision += 1
+        for sample in samples:
+            sample.enter(SampleStage.RECEIVED)
         self.buffer.add(samples)
         self.awaiting_moved -= len(samples)
         self.ledger["moved_in"].extend(s.uid for s in samples)
@@ -112,6 +119,7 @@ class TrainerShard:
         self.revision += 1
         for sample in samples:
             sample.origin = -1
+            sample.enter(sample.buffered_stage)
         self.buffer.add(samples)
         self.ledger["handed_in_unused"].extend(s.uid for s in samples if s.use_count == 0)
         self.received_draws.update(draws)
@@ -120,10 +128,18 @@ class TrainerShard:
         """This shard leaves: its whole buffer and its draws go to an heir, which answers for them now."""
         self.revision += 1
         samples = self.buffer.drain()
+        for sample in samples:
+            sample.enter(SampleStage.HANDED_OVER)
         draws = frozenset(self.received_draws)
         self.received_draws = set()
         self.ledger["handed_over_unused"].extend(s.uid for s in samples if s.use_count == 0)
         return samples, draws
+
+    def rejoin(self, index: int, batch_per_shard: int, num_rollout: int) -> None:
+        """A shard kept across a placement change: its index and share of the batch in the new trainer group, and
+        budgets that start afresh."""
+        self.index, self.batch_per_shard = index, batch_per_shard
+        self.restart_budgets(num_rollout)
 
     def restart_budgets(self, num_rollout: int) -> None:
         """A new placement's budgets start afresh: no sample held now counts against one (origin -1)."""
@@ -141,8 +157,10 @@ class TrainerShard:
             self.revision += 1
         for sample in gone:
             if sample.use_count == 0:
+                sample.enter(SampleStage.EVICTED)
                 self._evicted_unused(sample, cause)
             else:
+                sample.enter(SampleStage.DROPPED)
                 self.ledger["evicted_replayable"] += 1
 
     def _evicted_unused(self, sample: Sample, cause: str) -> None:
@@ -178,6 +196,8 @@ class TrainerShard:
         for move in moves:
             if move.donor == self.index:
                 samples = self.buffer.take_eligible(move.first, move.count, version)
+                for sample in samples:
+                    sample.enter(SampleStage.MOVED)
                 self.ledger["moved_out"].extend(s.uid for s in samples)
                 out.append((move.receiver, samples))
             elif move.receiver == self.index:
@@ -198,6 +218,9 @@ class TrainerShard:
         """After the step: the replay filter takes the consumed samples, first uses retire theirs."""
         self.revision += 1
         self.buffer.give_back(plan)
+        kept = {id(s) for s in self.buffer.replayable}
+        for sample in plan.fresh + plan.replayed:
+            sample.enter(SampleStage.TRAINED if id(sample) in kept else SampleStage.DROPPED)
         for sample in plan.fresh:
             self._retire(sample, trained=True)
 
@@ -205,6 +228,8 @@ class TrainerShard:
         """A resumed run's share of the saved buffers (``reflow.modes.resume.restored_share``), with the sampler's
         random state where the checkpoint kept one."""
         self.revision += 1
+        for sample in samples:  # (a sample saved by an older run reads FINISHED: its stage starts here)
+            sample.stage = sample.buffered_stage
         self.buffer.add(samples)
         if rng_state is not None:
             self.buffer.rng.setstate(rng_state)
@@ -216,3 +241,18 @@ class TrainerShard:
     def leave_at_end(self) -> None:
         self.ledger["left_unused"].extend(s.uid for s in self.buffer.unused)
         self.ledger["left_replayable"] = len(self.buffer.replayable)
+
+
+def new_shard(
+    settings: ModeSettings, index: int, num_rollout: int, batch_per_shard: int, ledger: dict, *, sampler: Sampler,
+    replay_filter: ReplayFilter, seed: int, start_version: int, dynamic_sampling: bool = False,
+) -> TrainerShard:
+    """A shard with an empty buffer under the mode's replay settings (sigma, delta, the staleness floor and
+    anchor), its versions counted from ``start_version`` (the version the engines start or resume on). The live
+    run and the simulator both make their shards here."""
+    buffer = ReplayBuffer(
+        settings.sigma, settings.delta, sampler, replay_filter, seed=seed, min_staleness=settings.min_staleness,
+        anchor=settings.anchor,
+    )
+    buffer.start_version = start_version
+    return TrainerShard(buffer, index, num_rollout, batch_per_shard, ledger, dynamic_sampling=dynamic_sampling)

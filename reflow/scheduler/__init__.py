@@ -2,10 +2,10 @@
 so the live rollout loop, tests and a simulator run the same classes."""
 
 from reflow.scheduler.dispatch import DispatchBudget, DispatchRule, share_groups
-from reflow.scheduler.placement import ForcedSchedule, PlacementController
+from reflow.scheduler.placement import ForcedSchedule, PlacementController, build_controller
 from reflow.scheduler.planner import PlacementDecision, PlacementPlanner, PlannerSettings
 
 __all__ = [
     "DispatchBudget", "DispatchRule", "ForcedSchedule", "PlacementController", "PlacementDecision", "PlacementPlanner",
-    "PlannerSettings", "share_groups",
+    "PlannerSettings", "build_controller", "share_groups",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from reflow.scheduler.planner import PlacementDecision
+from reflow.scheduler.planner import PlacementDecision, PlacementPlanner, PlannerSettings
 
 
 @runtime_checkable
@@ -50,3 +50,19 @@ class ForcedSchedule:
     def load_state(self, state: dict) -> None:
         if state:
             raise ValueError(f"placement.schedule keeps no state between decisions, got {sorted(state)}")
+
+
+def build_controller(
+    schedule: list[tuple[int, int]], scheduler, world_size: int, shard_degree: int, replica_options: tuple[int, ...],
+    sigma: float, batch_size: int,
+) -> PlacementController | None:
+    """The run's placement controller: the forced ``schedule`` (placement.schedule) if there is one, else the
+    planner when ``scheduler.adaptive_placement`` is on (``scheduler`` is the run's ``[scheduler]`` section),
+    else None: the placement stays as started."""
+    if schedule:
+        return ForcedSchedule(schedule)
+    if scheduler.adaptive_placement:
+        return PlacementPlanner(PlannerSettings.from_section(
+            scheduler, world_size, shard_degree, tuple(sorted(replica_options)), sigma, batch_size,
+        ))
+    return None

@@ -51,14 +51,13 @@ from reflow.algorithms.shaping import MAX_EXTRA_BATCHES
 from reflow.config.job_config import ReplaySection, RolloutSection, SchedulerSection, TrainingSection, WeightSyncSection
 from reflow.config.mode_settings import mode_settings
 from reflow.distributed.placement import Placement, build_placement, placement_name
-from reflow.modes.commands import Command, SyncWeights, Transition
 from reflow.modes.leader import Leader
 from reflow.modes.ledger import filtered_uids, new_ledger
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.trainer_role import Poll, TrainerRole
-from reflow.modes.trainer_shard import TrainerShard
+from reflow.modes.trainer_shard import TrainerShard, new_shard
 from reflow.modes.transition import ChangePlan
-from reflow.replay import ReplayBuffer, build_filter, build_sampler
+from reflow.replay import build_filter, build_sampler
 from reflow.replay.buffer import BatchPlan
 from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.request import Request
@@ -67,7 +66,17 @@ from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
 from reflow.sim.engine import SimEngine, SimTrajectory
 from reflow.sim.profiles import CostProfile
 from reflow.sim.workload import Workload
-from reflow.types import EvalShare, GroupDone, HeldGroup, InProcessExchange, Sample, WorkerStats
+from reflow.types import (
+    Command,
+    EvalShare,
+    GroupDone,
+    HeldGroup,
+    InProcessExchange,
+    Sample,
+    SyncWeights,
+    Transition,
+    WorkerStats,
+)
 
 
 @dataclass(frozen=True)
@@ -412,12 +421,11 @@ class DecoupledSim:
         return self.layout.name
 
     def _new_shard(self, index: int, num_rollout: int, batch_per_shard: int) -> TrainerShard:
-        buffer = ReplayBuffer(
-            self.settings.sigma, self.settings.delta, build_sampler("random"), build_filter("accept_all"),
-            seed=self.cfg.seed + index, min_staleness=self.settings.min_staleness, anchor=self.settings.anchor,
+        return new_shard(
+            self.settings, index, num_rollout, batch_per_shard, self.ledger, sampler=build_sampler("random"),
+            replay_filter=build_filter("accept_all"), seed=self.cfg.seed + index, start_version=0,
+            dynamic_sampling=self.cfg.dynamic_sampling,
         )
-        buffer.start_version = 0
-        return TrainerShard(buffer, index, num_rollout, batch_per_shard, self.ledger, dynamic_sampling=self.cfg.dynamic_sampling)
 
     def _enter(self, layout: Placement, change: ChangePlan | None = None, held: list[list[HeldGroup]] | None = None) -> None:
         """The roles of a placement, as ``DecoupledMode.enter`` and ``change_placement`` take them up, by the live
@@ -433,8 +441,7 @@ class DecoupledSim:
         leaving = self.shards[num_shards:]
         self.shards = self.shards[:num_shards]
         for shard in self.shards:
-            shard.batch_per_shard = batch_per_shard
-            shard.restart_budgets(num_rollout)
+            shard.rejoin(shard.index, batch_per_shard, num_rollout)
         self.shards += [self._new_shard(k, num_rollout, batch_per_shard) for k in range(len(self.shards), num_shards)]
         for shard in leaving:
             samples, draws = shard.hand_over()
@@ -459,9 +466,8 @@ class DecoupledSim:
             for index, engine in enumerate(self.engines)
         ]
         self._sent_seen = [0] * num_rollout
-        dispatcher = (
-            Leader.new_dispatcher(self.settings.dispatch, num_rollout, cfg.group_size, cfg.rho, self.steps_done)
-            if dealt_dispatch else None
+        dispatcher = Leader.new_dispatcher(
+            self.settings.dispatch, num_rollout, cfg.group_size, cfg.rho, self.steps_done, dealt=dealt_dispatch,
         )
         self.leader.enter(list(range(num_rollout)), dispatcher)
         self.runnable, self.in_heap = [], set()
@@ -597,7 +603,7 @@ class DecoupledSim:
     # ---- the trainer side: the live shards and leader ------------------------------------------
 
     def _ready(self) -> bool:
-        """The trainer's wait loop (``DecoupledMode._wait_for_batch``) with instant moves: the role's poll until no
+        """The trainer's wait loop (``DecoupledMode.train_one_step``'s step 1) with instant moves: the role's poll until no
         move is due; whether every shard can serve exactly b/A."""
         while (poll := self.role.poll(self.version, self.steps_done)) is Poll.MOVING:
             pass

@@ -18,16 +18,16 @@ from reflow.config import ConfigError, ConfigManager
 from reflow.config.validate import validate
 from reflow.modes import sync as sync_mode
 from reflow.modes.base import StepTimer
-from reflow.modes.commands import apply_progress
 from reflow.modes.leader import Leader
 from reflow.modes.ledger import new_ledger
+from reflow.modes.rollout_worker import apply_progress
 from reflow.modes.sync import MAX_EXTRA_ROUNDS, SyncMode
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.replay import AcceptAll, RandomSampler, ReplayBuffer
 from reflow.scheduler import DispatchBudget, DispatchRule
 from reflow.scheduler.dispatch import GroupDispatcher
 from reflow.scheduler.routing import ShardRouter
-from reflow.types import Sample, TrainerView
+from reflow.types import Sample, SampleStage, TrainerView
 
 GROUP = 4
 
@@ -37,7 +37,7 @@ def group(draw: int, origin: int, version: int, signal: bool) -> list[Sample]:
     return [
         Sample(uid=f"g{draw}/{k}", draw=draw, group_id=f"g{draw}", prompt_ids=[1], output_ids=[5] * (k + 1),
                logprobs=[-0.1] * (k + 1), versions=[version] * (k + 1), reward=float(signal and k == 0),
-               origin=origin, finish_version=version)
+               origin=origin, finish_version=version, stage=SampleStage.SENT)
         for k in range(GROUP)
     ]
 

@@ -1,22 +1,35 @@
 """The decoupled protocol's roles driven in process, without vLLM or torchrun: trainer shards, the leader and
 the rollout side's ``apply_progress``, wired as ``DecoupledMode`` wires them (readiness exchange, moves,
-Progress), so each rule of ``docs/decoupled_protocol.md`` gets a fast test."""
+Progress), so each rule of ``docs/decoupled_protocol.md`` gets a fast test. The helpers' groups have been
+sent (``SampleStage.SENT``): what a trainer shard receives."""
 
 from collections import deque
 
 import pytest
 
 from reflow.distributed.placement import build_placement
-from reflow.modes.commands import Progress, SyncWeights, Transition, apply_progress
 from reflow.modes.leader import Leader, RolloutWindow
 from reflow.modes.ledger import new_ledger
+from reflow.modes.rollout_worker import apply_progress
 from reflow.modes.trainer_role import Poll, TrainerRole
 from reflow.modes.trainer_shard import TrainerShard
 from reflow.modes.transition import ChangePlan
 from reflow.replay import AcceptAll, RandomSampler, ReplayBuffer
 from reflow.scheduler import DispatchBudget, DispatchRule
 from reflow.scheduler.routing import ShardRouter
-from reflow.types import EvalShare, HeldGroup, InProcessExchange, Sample, TrainerView, WorkerStats
+from reflow.types import (
+    NEXT_STAGES,
+    EvalShare,
+    HeldGroup,
+    InProcessExchange,
+    Progress,
+    Sample,
+    SampleStage,
+    SyncWeights,
+    TrainerView,
+    Transition,
+    WorkerStats,
+)
 
 GROUP = 4
 
@@ -26,7 +39,7 @@ def group(draw: int, origin: int, finish_version: int, birth_version: int | None
     return [
         Sample(uid=f"g{draw}/{k}", draw=draw, group_id=f"g{draw}", prompt_ids=[1], output_ids=[5] * (k + 1),
                logprobs=[-0.1] * (k + 1), versions=[birth] * (k + 1), reward=0.5, origin=origin, advantage=1.0,
-               finish_version=finish_version)
+               finish_version=finish_version, stage=SampleStage.SENT)
         for k in range(GROUP)
     ]
 
@@ -119,6 +132,89 @@ def test_a_batch_holds_exactly_b_over_shards_after_the_moves():
     assert "g1" in trained_first  # earliest deadline first, not arrival order: g1 finished at version 0
     assert sum(shard.retired[0] for shard in pair) == 8
     assert [entry["step"] for entry in ledger["consumed"]] == [2] * 8
+
+
+def test_each_sample_moves_through_its_lifecycle_and_no_other_way():
+    """Every move the roles make is one ``NEXT_STAGES`` allows, and the roles make every move it lists: two
+    shards, b = 8, sigma 0.5, delta 2. Received on shard 0, moved to shard 1, trained, replayed, retired as it
+    ages; evicted on arrival; handed over at a placement change; a sample never sent cannot be received."""
+    pair, _ = shards(2, 8, num_rollout=1)
+    seen: set[tuple[SampleStage, SampleStage]] = set()
+    tracked: dict[str, SampleStage] = {}
+
+    def observe(samples):
+        for s in samples:
+            before = tracked.get(s.uid, SampleStage.SENT)
+            if before is not s.stage:
+                seen.add((before, s.stage))
+            tracked[s.uid] = s.stage
+
+    groups = [group(draw, origin=0, finish_version=1) for draw in range(3)]
+    everyone = [s for g in groups for s in g]
+    for g in groups:
+        pair[0].accept_group(g, version=1)
+    observe(everyone)
+    role, _ = role_over(pair, interval=2)
+    assert role.poll(1, steps_done=1) is Poll.MOVING
+    moved = [s for s in everyone if s in pair[1].buffer.unused]
+    assert moved and {s.stage for s in moved} == {SampleStage.RECEIVED}
+    seen.update({(SampleStage.RECEIVED, SampleStage.MOVED), (SampleStage.MOVED, SampleStage.RECEIVED)})
+    assert role.poll(1, steps_done=1) is Poll.READY
+    done = role.step(1, step=2)
+    observe(everyone)
+    assert {s.stage for s in done.fresh} == {SampleStage.TRAINED}
+    # the next step: the 4 unused samples left and 4 replayed (sigma 0.5): a TRAINED sample trained again
+    # stays TRAINED
+    while role.poll(2, steps_done=2) is Poll.MOVING:
+        pass
+    again = role.step(2, step=3)
+    assert again.plans[0].replayed or again.plans[1].replayed
+    assert all(s.stage is SampleStage.TRAINED for plan in again.plans for s in plan.replayed)
+    seen.add((SampleStage.TRAINED, SampleStage.TRAINED))
+    observe(everyone)
+    # a late group arrives past its bound; one in time is never trained and ages out with everything trained
+    # at version 5 (delta 2)
+    late, untrained = group(5, origin=0, finish_version=0), group(15, origin=0, finish_version=2)
+    pair[0].accept_group(late, version=3)
+    pair[0].accept_group(untrained, version=3)
+    everyone += late + untrained
+    observe(everyone)
+    pair[0].evict_stale(5, "aged")
+    pair[1].evict_stale(5, "aged")
+    observe(everyone)
+    assert {s.stage for s in late + untrained} == {SampleStage.EVICTED}
+    # a placement change: shard 1 leaves and hands its buffer (unused and replayable samples) to shard 0
+    for g in (group(6, origin=0, finish_version=5), group(7, origin=0, finish_version=5)):
+        pair[1].accept_group(g, version=5)
+        everyone += g
+    pair[1].buffer.replayable.append(pair[1].buffer.unused.pop())  # one of them as if trained once and kept
+    pair[1].buffer.replayable[-1].use_count, pair[1].buffer.replayable[-1].stage = 1, SampleStage.TRAINED
+    tracked[pair[1].buffer.replayable[-1].uid] = SampleStage.TRAINED
+    seen.add((SampleStage.RECEIVED, SampleStage.TRAINED))
+    observe(everyone)
+    samples, draws = pair[1].hand_over()
+    observe(everyone)
+    pair[0].accept_handover(samples, draws)
+    observe(everyone)
+    # the filter refuses a consumed sample: it retires at once
+    pair[0].buffer.filter = type("RefuseAll", (), {"keep": staticmethod(lambda s: False)})()
+    alone, _ = role_over([pair[0]])
+    while alone.poll(5, steps_done=3) is not Poll.READY:
+        arrived = group(10 + len(everyone), origin=0, finish_version=5)
+        pair[0].accept_group(arrived, version=5)
+        everyone += arrived
+    last = alone.step(5, step=4)
+    assert {s.stage for s in last.fresh} == {SampleStage.DROPPED}
+    observe(everyone)
+    allowed = {(a, b) for a, nexts in NEXT_STAGES.items() for b in nexts}
+    from_shards = allowed - {(SampleStage.FINISHED, SampleStage.SENT)}  # (the rollout worker's move)
+    assert seen <= allowed
+    assert from_shards - seen == set(), f"moves the roles never made: {from_shards - seen}"
+    # a sample that skips a stage is refused, naming it
+    unsent = group(99, origin=0, finish_version=5)
+    unsent[0].stage = SampleStage.FINISHED
+    with pytest.raises(RuntimeError, match="g99/0: no move from finished to received"):
+        pair[0].accept_group(unsent, version=5)
 
 
 def test_the_role_syncs_only_at_sync_points_evicts_what_the_new_version_ages_and_runs_first_use_before_training():

@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from reflow.algorithms.settings import advantage_estimator
 from reflow.config.job_config import JobConfig
 from reflow.model.recipe import load_recipe, resolve_path
-from reflow.modes.commands import Progress, Stop, SyncWeights
 from reflow.modes.prompts import PromptStream, initial_shares
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.rollout.admission import AdmissionGate
@@ -28,7 +27,7 @@ from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget, DispatchRule
 from reflow.tasks import build_task, load_problems
-from reflow.types import GroupDone
+from reflow.types import GroupDone, Progress, Stop, SyncWeights
 
 cfg = JobConfig()
 cfg.training.group_size = 2
