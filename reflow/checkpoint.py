@@ -22,16 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from reflow.config.job_config import JobConfig
+from reflow.config.job_config import CheckpointSection
 
 
 class CheckpointManager:
-    def __init__(self, cfg: JobConfig):
-        self.enabled = cfg.checkpoint.enable
-        self.interval = cfg.checkpoint.interval
-        self.folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-        self.load_step = cfg.checkpoint.load_step
-        self.keep_last = cfg.checkpoint.keep_last
+    def __init__(self, checkpoint: CheckpointSection, dump_folder: str):
+        """``checkpoint``: the run's [checkpoint] section; its folder is relative to the run's ``dump_folder``."""
+        self.enabled = checkpoint.enable
+        self.interval = checkpoint.interval
+        self.folder = os.path.join(dump_folder, checkpoint.folder)
+        self.load_step = checkpoint.load_step
+        self.keep_last = checkpoint.keep_last
         self.loaded_path: str | None = None
         """The checkpoint this run resumed from (``maybe_load``)."""
 

@@ -43,7 +43,7 @@ def export_checkpoint(argv: list[str]) -> dict:
     manager = ConfigManager()
     cfg = manager.parse_args(["--config", args.config, *overrides])
     validate(cfg, manager.where)
-    checkpoints = CheckpointManager(cfg)
+    checkpoints = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder)
     steps = checkpoints.available_steps()
     if not steps:
         raise ExportError(f"checkpoint.folder: no complete checkpoint in {checkpoints.folder} (the run saves them with "

@@ -213,7 +213,7 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
                 else f"row {chat_rows.uid} of the task data is chat messages"
             )
             raise ValueError(f"{why}, but the tokenizer in {hf_dir} has no chat template")
-    CheckpointManager(cfg).check()
+    CheckpointManager(cfg.checkpoint, cfg.job.dump_folder).check()
     return train_problems, eval_problems
 
 
@@ -278,7 +278,12 @@ def build_components(
     # 3. the embedded vLLM engine (every rank, same point)
     t0 = time.time()
     # the ranks of one tensor-parallel engine share its seed: their scheduler copies must sample alike
-    engine = RolloutEngine(cfg, recipe, hf_dir, seed=cfg.job.seed + rank // cfg.rollout.tensor_parallel_degree)
+    # sync mode with a sync every few steps sleeps its engines at level 1 again and again: the pinned weight
+    # backup is worth keeping cached between sleeps (elsewhere a wake releases it)
+    engine = RolloutEngine(
+        cfg.rollout, recipe, hf_dir, seed=cfg.job.seed + rank // cfg.rollout.tensor_parallel_degree,
+        keeps_weight_backup=cfg.training.mode == "sync" and cfg.weight_sync.interval > 1,
+    )
     log.info(f"vLLM engines built in {time.time() - t0:.1f}s")
     if device.type == "cpu":
         log.info("CPU run: vLLM sleep/wake and trainer offload are no-ops")
@@ -291,7 +296,7 @@ def build_components(
         engine.sleep()
     trainer = None
     if placement.is_trainer(rank) or not placement.colocated:
-        trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, placement.replicate_degree, device)
+        trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, placement.replicate_degree, device)
     # 5. weight sync (every rank derives the same plan)
     from reflow.model.qwen3 import build_model_config
     from reflow.trainer.hf_io import build_adapter
@@ -325,7 +330,7 @@ def build_components(
         timeline=(Timeline(cfg.job.dump_folder, rank, "colocated" if placement.colocated else
                            "trainer" if placement.is_trainer(rank) else "rollout")
                   if cfg.metrics.timeline else NullTimeline()),
-        checkpoints=CheckpointManager(cfg),
+        checkpoints=CheckpointManager(cfg.checkpoint, cfg.job.dump_folder),
         layouts=layouts,
         weight_syncs=weight_syncs,
         schedule=schedule,
@@ -353,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = check_inputs(cfg, recipe, manager.where)
         from reflow.checkpoint import CheckpointManager
 
-        resume_step = CheckpointManager(cfg).resume_step()
+        resume_step = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder).resume_step()
         record = check_dump_folder(cfg, resumes=resume_step is not None)
     except (ConfigError, ValueError) as e:
         if int(os.environ.get("RANK", "0")) == 0:  # one line per run, not one per rank

@@ -3,6 +3,7 @@ the typed choices of ``reflow.algorithms`` (which never read the config themselv
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from reflow.algorithms.advantages import AdvantageEstimator
@@ -12,7 +13,7 @@ from reflow.algorithms.policy_losses import PolicyLossSettings
 from reflow.algorithms.schedules import LRSchedule
 
 if TYPE_CHECKING:
-    from reflow.config.job_config import JobConfig
+    from reflow.config.job_config import JobConfig, TrainingSection
 
 
 def advantage_estimator(cfg: "JobConfig") -> AdvantageEstimator:
@@ -39,13 +40,46 @@ def off_policy_correction(cfg: "JobConfig") -> OffPolicyCorrection:
     return OffPolicyCorrection(section.correction, section.cap, section.band_low, section.band_high)
 
 
-def updates_per_step(cfg: "JobConfig") -> int:
-    return cfg.training.ppo_epochs * cfg.training.num_minibatches
+def updates_per_step(training: "TrainingSection") -> int:
+    return training.ppo_epochs * training.num_minibatches
 
 
-def lr_schedule(cfg: "JobConfig") -> LRSchedule:
-    training, per_step = cfg.training, updates_per_step(cfg)
+def lr_schedule(training: "TrainingSection") -> LRSchedule:
+    """The learning-rate schedule over optimizer updates (``training``: the run's [training] section)."""
+    per_step = updates_per_step(training)
     return LRSchedule(
         warmup_updates=training.warmup_steps * per_step, total_updates=training.steps * per_step,
         decay=training.lr_decay, min_ratio=training.min_lr_ratio,
+    )
+
+
+@dataclass(frozen=True)
+class KLPenalty:
+    """The KL penalty to the frozen reference policy ([kl]): beta, the estimator, and where it goes."""
+
+    coef: float
+    """beta; 0: no reference model and no penalty."""
+    estimator: str
+    placement: str
+    """'loss' (beta k per token in the loss) or 'reward' (-beta k per token, as a return-to-go)."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What the trainer optimizes, from [loss], [off_policy], [kl] and the sampling temperature: the one object
+    ``PolicyTrainer`` takes instead of the whole config."""
+
+    policy_loss: PolicyLossSettings
+    aggregation: Aggregation
+    correction: OffPolicyCorrection
+    kl: KLPenalty
+    entropy_coef: float
+    temperature: float
+    """The rollout's sampling temperature: the trainer's log-probs are those of the distribution sampled."""
+
+
+def objective(cfg: "JobConfig") -> Objective:
+    return Objective(
+        policy_loss(cfg), aggregation(cfg), off_policy_correction(cfg),
+        KLPenalty(cfg.kl.coef, cfg.kl.estimator, cfg.kl.placement), cfg.loss.entropy_coef, cfg.rollout.temperature,
     )

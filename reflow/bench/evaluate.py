@@ -29,7 +29,7 @@ def evaluate(config: str, hf_dir: str, num_prompts: int, samples: int, seed: int
     cfg = ConfigManager().parse_args(["--config", config, *overrides])
     recipe = load_recipe(cfg.model.recipe)
     hf_dir = resolve_path(hf_dir or cfg.model.hf_checkpoint or recipe.hf_checkpoint)
-    engine = RolloutEngine(cfg, recipe, hf_dir, seed=seed)
+    engine = RolloutEngine(cfg.rollout, recipe, hf_dir, seed=seed)
     tok = PromptTokenizer(hf_dir, cfg.task.chat)
     task = build_task(cfg.task)
     problems = load_problems(resolve_path(cfg.task.eval_file), "task.eval_file")

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.rollout.max_model_len = args.prompt_tokens + args.max_tokens
     cfg.rollout.max_new_tokens = args.max_tokens
     recipe = load_recipe("tiny")
-    engine = RolloutEngine(cfg, recipe, resolve_path(recipe.hf_checkpoint), seed=args.seed)
+    engine = RolloutEngine(cfg.rollout, recipe, resolve_path(recipe.hf_checkpoint), seed=args.seed)
     requests = workload(
         args.requests, args.group_size, args.prompt_tokens, args.median_tokens, args.max_tokens, recipe.architecture.vocab_size,
         args.seed

@@ -82,8 +82,8 @@ def worker(out_path: str, deep_layers: int, scratch: str) -> None:
     hf_dir = resolve_path(recipe.hf_checkpoint)
     bucket_bytes = int(cfg.weight_sync.bucket_size_mb * 2**20)
     layouts = build_trainer_layouts(world, shard_degree, list(range(1, most + 1)))
-    engine = RolloutEngine(cfg, recipe, hf_dir, seed=rank)
-    trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, most, device)
+    engine = RolloutEngine(cfg.rollout, recipe, hf_dir, seed=rank)
+    trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, most, device)
     report: dict = {"transitions": []}
 
     # 1. the elastic path, both directions
@@ -109,13 +109,13 @@ def worker(out_path: str, deep_layers: int, scratch: str) -> None:
     save_s = slowest(t0)
     del trainer, state, engine
     t1 = time.perf_counter()
-    engine = RolloutEngine(cfg, recipe, hf_dir, seed=rank)
+    engine = RolloutEngine(cfg.rollout, recipe, hf_dir, seed=rank)
     engine_s = slowest(t1)
     report["engine_build_s_rank0"] = engine.build_time_s
     t2 = time.perf_counter()
     new = layouts[most - 1]
     if new.has(rank):
-        trainer = PolicyTrainer(cfg, recipe, hf_dir, {most - 1: new}, most - 1, device)
+        trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, {most - 1: new}, most - 1, device)
         state = {"trainer": trainer.state_dict()}
         dcp.load(state, checkpoint_id=path, process_group=new.group)
         trainer.load_state_dict(state["trainer"])

@@ -119,9 +119,9 @@ def worker(out_path: str, steps: int, deep_dir: str, deep_layers: int) -> None:
             hf_dir = deep_dir
         # the engine first: it is collective to build (every rank builds one), and building it after the previous
         # model's engine was deleted brings back the process groups vLLM's teardown took down
-        engine = RolloutEngine(cfg, recipe, hf_dir, seed=rank)
+        engine = RolloutEngine(cfg.rollout, recipe, hf_dir, seed=rank)
         layouts = build_trainer_layouts(world, 2, [1])
-        trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device) if placement.is_trainer(rank) else None
+        trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device) if placement.is_trainer(rank) else None
         model_cfg = build_model_config(recipe)
         plan = build_sync_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.weight_sync.bucket_size_mb, torch.float32)
         sync = WeightSync(placement, plan, rank, device)
@@ -151,7 +151,7 @@ def worker(out_path: str, steps: int, deep_dir: str, deep_layers: int) -> None:
             entry["reflow_tokens_per_s"] = SEQUENCES * (PROMPT + RESPONSE) / entry["train_step_s"]
             compiled_cfg = copy.deepcopy(cfg)
             compiled_cfg.training.compile = True
-            compiled = PolicyTrainer(compiled_cfg, recipe, hf_dir, layouts, 1, device)
+            compiled = PolicyTrainer.from_config(compiled_cfg, recipe, hf_dir, layouts, 1, device)
             entry["compiled_train_step_s"] = median_step_s(compiled)
             entry["reflow_compiled_tokens_per_s"] = SEQUENCES * (PROMPT + RESPONSE) / entry["compiled_train_step_s"]
             del compiled

@@ -22,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-from reflow.config.job_config import JobConfig
+from reflow.config.job_config import RolloutSection
 from reflow.distributed.host_memory import release_host_cache
 from reflow.model.recipe import Recipe
 from reflow.rollout.kv_signals import EngineSignalReader, EngineSignals
@@ -33,11 +33,11 @@ from reflow.rollout.vendor_logs import quiet_vendor_logs
 logger = logging.getLogger("reflow")
 
 
-def set_vllm_env(cfg: JobConfig) -> None:
-    """vLLM reads these at import/engine build time."""
+def set_vllm_env(rollout: RolloutSection) -> None:
+    """vLLM reads these at import/engine build time (``rollout``: the run's [rollout] section)."""
     # the engine core must run in this process: the step API and the lazy weight iterator depend on it
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.rollout.kv_cache_gib)))))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(rollout.kv_cache_gib)))))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ["VLLM_CACHE_ROOT"] = vllm_cache_root(os.environ, int(os.environ.get("RANK", "0")))
@@ -75,12 +75,17 @@ class RolloutEngine:
     decode_steps = 1
     """Decode steps one ``step`` runs."""
 
-    def __init__(self, cfg: JobConfig, recipe: Recipe, hf_dir: str, seed: int):
-        set_vllm_env(cfg)
+    def __init__(
+        self, rollout: RolloutSection, recipe: Recipe, hf_dir: str, seed: int, *, keeps_weight_backup: bool = False,
+    ):
+        """``rollout``: the run's [rollout] section. ``keeps_weight_backup``: this engine sleeps at level 1 again
+        and again (sync mode with a sync every few steps), so its pinned weight
+        backup is worth keeping cached between sleeps; elsewhere a wake releases it."""
+        set_vllm_env(rollout)
         quiet_vendor_logs()  # before vLLM's import, whose dependencies speak as it loads
         from vllm import LLM
 
-        r = cfg.rollout
+        r = rollout
         on_gpu = torch.cuda.is_available()
         kwargs = dict(
             model=hf_dir,
@@ -122,10 +127,8 @@ class RolloutEngine:
         self.block_size = self.signal_reader.block_size
         self.stop_token_ids = padding_stops(self.llm.get_tokenizer())
         """Token ids that end a sample besides the model's EOS: the padding token, where it is not an EOS."""
-        self.cfg = cfg
-        self.keeps_weight_backup = cfg.training.mode == "sync" and cfg.weight_sync.interval > 1
-        """Does this engine sleep at level 1 again and again (sync mode with a sync every few steps), so that
-        its pinned weight backup is worth keeping cached between sleeps? Elsewhere a wake releases it."""
+        self.rollout = rollout
+        self.keeps_weight_backup = keeps_weight_backup
         self.version = 0
         self.asleep: set[str] = set()
         """vLLM's memory tags ("weights", "kv_cache") not mapped on the device now (CUDA; always empty on CPU)."""
@@ -143,7 +146,7 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        r = self.cfg.rollout
+        r = self.rollout
         return SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,

@@ -34,8 +34,9 @@ from torch.distributed.tensor import DTensor
 
 from reflow.algorithms.kl import kl_estimate, kl_shaped_advantages
 from reflow.algorithms.off_policy import mismatch
-from reflow.algorithms.settings import aggregation, lr_schedule, off_policy_correction, policy_loss
-from reflow.config.job_config import JobConfig
+from reflow.algorithms.settings import Objective, lr_schedule
+from reflow.algorithms.settings import objective as run_objective
+from reflow.config.job_config import JobConfig, TrainingSection
 from reflow.distributed.buckets import broadcast_tensors
 from reflow.distributed.utils import TrainerLayout
 from reflow.model.qwen3 import build_model_config, build_on_meta, init_buffers
@@ -130,25 +131,29 @@ class PolicyTrainer:
     ``replicas`` is the one the run starts on. A rank outside it starts without storage (``active`` False)."""
 
     def __init__(
-        self, cfg: JobConfig, recipe: Recipe, hf_dir: str, layouts: dict[int, TrainerLayout], replicas: int,
-        device: torch.device,
+        self, training: TrainingSection, attention: str, objective: Objective, recipe: Recipe, hf_dir: str,
+        layouts: dict[int, TrainerLayout], replicas: int, device: torch.device,
     ):
-        self.cfg = cfg
+        """``training``: the run's [training] section; ``attention``: model.attention; ``objective``: what it optimizes
+        (``reflow.algorithms.settings.objective``). ``from_config`` builds all three from a run's config."""
+        self.training = training
+        self.attention = attention
         self.device = device
         self.rank = dist.get_rank()
-        self.temperature = cfg.rollout.temperature
-        # the run's algorithm (``reflow.algorithms``), built from its config sections
-        self.policy_loss = policy_loss(cfg)
-        self.aggregation = aggregation(cfg)
-        self.correction = off_policy_correction(cfg)
-        self.schedule = lr_schedule(cfg)
+        # the run's algorithm (``reflow.algorithms``)
+        self.objective = objective
+        self.temperature = objective.temperature
+        self.policy_loss = objective.policy_loss
+        self.aggregation = objective.aggregation
+        self.correction = objective.correction
+        self.schedule = lr_schedule(training)
         self.layouts = layouts
         self.layout = layouts[replicas]
         # 1. model config
-        self.model_config = build_model_config(recipe, cfg.model.attention)
+        self.model_config = build_model_config(recipe, attention)
         self.adapter = build_adapter(self.model_config, hf_dir)
         self.hf_dir = hf_dir
-        if cfg.model.attention == "flex":  # torchtitan compiles flex attention itself, with or without training.compile
+        if attention == "flex":  # torchtitan compiles flex attention itself, with or without training.compile
             refuse_eager_fallback()
         # 2. one FSDP skeleton (policy, and reference when the KL penalty is on) per placement this rank can
         #    belong to, on meta: no storage, no communication
@@ -170,10 +175,18 @@ class PolicyTrainer:
             self.optimizer = self._new_optimizer(self.model)
             zero_optimizer_state(self.optimizer, self.model)
         # 5. where the state waits while a colocated engine generates (CUDA; on CPU both share host memory)
-        self.parking = HostParking(pin=True) if device.type == "cuda" and cfg.training.offload_while_generating else None
+        self.parking = HostParking(pin=True) if device.type == "cuda" and training.offload_while_generating else None
+
+    @classmethod
+    def from_config(
+        cls, cfg: JobConfig, recipe: Recipe, hf_dir: str, layouts: dict[int, TrainerLayout], replicas: int,
+        device: torch.device,
+    ) -> "PolicyTrainer":
+        """The trainer of a run: its [training] section, model.attention and ``objective(cfg)``."""
+        return cls(cfg.training, cfg.model.attention, run_objective(cfg), recipe, hf_dir, layouts, replicas, device)
 
     def _skeleton_pair(self, layout: TrainerLayout) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-        training = self.cfg.training
+        training = self.training
         param_dtype = torch.bfloat16 if training.param_dtype == "bfloat16" else torch.float32
 
         def skeleton(trainable: bool) -> torch.nn.Module:
@@ -190,10 +203,10 @@ class PolicyTrainer:
                 module.requires_grad_(False)  # the frozen reference
             return module
 
-        return skeleton(True), skeleton(False) if self.cfg.kl.coef > 0 else None
+        return skeleton(True), skeleton(False) if self.objective.kl.coef > 0 else None
 
     def _new_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        training = self.cfg.training
+        training = self.training
         return torch.optim.AdamW(
             model.parameters(), lr=training.lr, betas=tuple(training.betas), weight_decay=training.weight_decay, eps=1e-8
         )
@@ -316,7 +329,7 @@ class PolicyTrainer:
         entropy (``chunked_token_logprobs``)."""
         inputs = tokens[:, :-1]  # (B, T-1); one right-padded sequence per row
         masks = None
-        if self.cfg.model.attention == "flex":
+        if self.attention == "flex":
             # one document per row: the block-causal mask is plain causal
             positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
             masks = model.get_attention_masks(positions)
@@ -325,12 +338,12 @@ class PolicyTrainer:
         # forward through the backward pass, so the head's weight is the gathered one
         hidden = model(inputs, attention_masks=masks)  # SDPA is causal without masks
         return chunked_token_logprobs(hidden, tokens[:, 1:], model.lm_head, self.temperature,
-                                      self.cfg.training.logprob_chunk_tokens, entropy)
+                                      self.training.logprob_chunk_tokens, entropy)
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor, TrainBatch]]:
         """(row indices, micro-batch) pairs of one batch: rows grouped by length and each micro-batch cut to
         its own longest row, so a long-tail straggler pads only its neighbours."""
-        size = self.cfg.training.micro_batch_size
+        size = self.training.micro_batch_size
         lengths = batch.loss_mask.shape[1] - batch.loss_mask.flip(-1).argmax(-1)  # last target column + 1
         lengths = torch.where(batch.loss_mask.sum(-1) > 0, lengths, torch.ones_like(lengths))
         order = torch.argsort(lengths, stable=True)
@@ -386,7 +399,7 @@ class PolicyTrainer:
         and 2, the gradient sums associate alike in both placements and the trainer's state is bitwise
         independent of the placement (tests/trainer/test_elastic.py). Otherwise (several micro-batches,
         3 or more replicas, whose all-reduce associates differently) it agrees to within float rounding."""
-        training = self.cfg.training
+        training = self.training
         segments = batch if isinstance(batch, list) else [batch]
         if not segments:
             raise ValueError("train_step needs at least one batch")
@@ -497,7 +510,7 @@ class PolicyTrainer:
                 self._backward(mb, mb_old, mb_ref, den_v, stats)
         for mb in padding:
             self._backward(mb, None, None, den_v, stats, padding=True)
-        training = self.cfg.training
+        training = self.training
         lr = training.lr * self.schedule.lr_factor(self.num_updates)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
@@ -530,7 +543,7 @@ class PolicyTrainer:
         shaped by -beta's return-to-go instead under kl.placement 'reward'; then the aggregation's numerator
         over the global denominator."""
         mb = mb.to(self.device)
-        kl, entropy_coef = self.cfg.kl, self.cfg.loss.entropy_coef
+        kl, entropy_coef = self.objective.kl, self.objective.entropy_coef
         new_lp, entropy = self._logprobs(self.model, mb.tokens, "trained" if entropy_coef > 0 else "logged")
         if old_lp is None:
             old_lp = new_lp.detach()

@@ -38,8 +38,8 @@ recipe = load_recipe("tiny")
 hf_dir = resolve_path(recipe.hf_checkpoint)
 placement = build_placement(world, 1, -1, 1)
 layouts = build_trainer_layouts(world, placement.shard_degree, [placement.replicate_degree])
-engine = RolloutEngine(cfg, recipe, hf_dir, seed=rank)
-trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device) if placement.is_trainer(rank) else None
+engine = RolloutEngine(cfg.rollout, recipe, hf_dir, seed=rank)
+trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device) if placement.is_trainer(rank) else None
 model_cfg = build_model_config(recipe)
 plan = build_sync_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.weight_sync.bucket_size_mb, torch.float32)
 sync = WeightSync(placement, plan, rank, device)

@@ -34,7 +34,7 @@ cfg.training.group_size = 2
 cfg.rollout.max_new_tokens = 24
 recipe = load_recipe("tiny")
 hf = resolve_path(recipe.hf_checkpoint)
-engine = RolloutEngine(cfg, recipe, hf, seed=0)
+engine = RolloutEngine(cfg.rollout, recipe, hf, seed=0)
 weights = list(load_file(os.path.join(hf, "model.safetensors")).items())
 
 

@@ -28,7 +28,7 @@ cfg.rollout.max_new_tokens = 40
 cfg.scheduler.kv_admission = True
 cfg.scheduler.rho = 0.9
 recipe = load_recipe("tiny")
-engine = RolloutEngine(cfg, recipe, resolve_path(recipe.hf_checkpoint), seed=0)
+engine = RolloutEngine(cfg.rollout, recipe, resolve_path(recipe.hf_checkpoint), seed=0)
 scheduler = engine.signal_reader.scheduler
 report = {"budget": engine.signals.kv_budget_tokens, "block_size": scheduler.block_size,
           "blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks}

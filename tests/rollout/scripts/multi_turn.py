@@ -56,7 +56,7 @@ class ScriptedTask:
 cfg = JobConfig()
 recipe = load_recipe("tiny")
 hf = resolve_path(recipe.hf_checkpoint)
-engine = RolloutEngine(cfg, recipe, hf, seed=0)
+engine = RolloutEngine(cfg.rollout, recipe, hf, seed=0)
 tok = PromptTokenizer(hf)
 driver = TurnDriver(engine, ScriptedTask(), tok, workers=4)
 prompts = ["3+5+2+8+1+9+4+7=", "9+9+9+9+9+9+9+9+9=", "1+2+3+4+5+6+7+8+9+1=", "7+1+2+6+3+3+8=", "4+4+1+5+9+2+6+5+3="] * 2

@@ -40,7 +40,7 @@ def main() -> None:
     cfg.rollout.temperature = 1.0
     recipe = load_recipe("tiny")
     old_hf = resolve_path(recipe.hf_checkpoint)
-    engine = RolloutEngine(cfg, recipe, new_hf if what == "fresh" else old_hf, seed=0)
+    engine = RolloutEngine(cfg.rollout, recipe, new_hf if what == "fresh" else old_hf, seed=0)
     tok = PromptTokenizer(old_hf)
     report = {"prefix_caching": bool(engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)}
     if what == "reload":

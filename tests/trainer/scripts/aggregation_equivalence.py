@@ -69,7 +69,7 @@ def run(aggregation: str, policy: str, split: bool, extras: dict | None = None, 
     for dotted, value in (extras or {}).items():
         section, key = dotted.split(".")
         setattr(getattr(cfg, section), key, value)
-    trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
+    trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device)
     batch = global_batch()
     if uneven:  # rows 0-5 on rank 0 and 6-7 on rank 1 (sync mode's dynamic sampling keeps groups unevenly)
         mine = index(batch, torch.arange(0, 6) if rank == 0 else torch.arange(6, ROWS))

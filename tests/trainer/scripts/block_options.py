@@ -44,7 +44,7 @@ def build(value) -> PolicyTrainer:
     cfg.training.num_minibatches = 2
     cfg.kl.coef = 0.05
     setattr(cfg.training, OPTION, value)
-    return PolicyTrainer(cfg, recipe, hf_dir, layouts, 2, device)
+    return PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 2, device)
 
 
 def run(value):

@@ -22,7 +22,7 @@ cfg = JobConfig()
 cfg.checkpoint.enable = True
 cfg.job.dump_folder = folder
 cfg.checkpoint.keep_last = int(sys.argv[5]) if mode == "save" else 0
-manager = CheckpointManager(cfg)
+manager = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder)
 
 if mode == "load":
     steps = manager.available_steps()

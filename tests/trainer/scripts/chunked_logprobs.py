@@ -30,7 +30,7 @@ for chunk in (0, 5):
     cfg.training.micro_batch_size = 3  # several micro-batches, of different widths
     cfg.training.num_minibatches = 2  # a separate "old" log-prob forward, then two updates
     cfg.training.logprob_chunk_tokens = chunk
-    trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
+    trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device)
     initial = {name: param.to_local().detach().clone() for name, param in trainer.model.named_parameters()}
     logprobs = trainer.compute_logprobs(batch)
     stats = trainer.train_step(batch)

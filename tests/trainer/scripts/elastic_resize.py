@@ -94,7 +94,7 @@ def mine(trainer: PolicyTrainer, step: int):
 def run(schedule: list[tuple[int, int]], micro_batch_size: int = 2):
     """schedule: (replicas, steps) phases. Returns this rank's state before training and after each phase
     (None while out of the trainer pool), and the transitions."""
-    trainer = PolicyTrainer(config(micro_batch_size), recipe, hf_dir, layouts, schedule[0][0], device)
+    trainer = PolicyTrainer.from_config(config(micro_batch_size), recipe, hf_dir, layouts, schedule[0][0], device)
     snapshots, transitions, step = [], [], 0
     initial = [t.clone() for t in shard_tensors(trainer.model, trainer.optimizer, trainer.ref_model)] if trainer.active else None
     for replicas, steps in schedule:

@@ -27,7 +27,7 @@ for minibatches in (1, 2):
     cfg = JobConfig()
     cfg.training.num_minibatches = minibatches
     cfg.training.micro_batch_size = 64  # one micro-batch per minibatch
-    trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
+    trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device)
     calls = []
     trainer.model.register_forward_hook(lambda module, args, out: calls.append(1))
     stats = trainer.train_step(batch)

@@ -39,7 +39,7 @@ def batch(step: int):
 
 
 def train(parked: bool):
-    trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
+    trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device)
     freed, restored, buffers = [], [], []
     if parked:
         trainer.parking = HostParking(pin=False)

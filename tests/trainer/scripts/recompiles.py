@@ -61,7 +61,7 @@ def graphs_after_each_step(run_one) -> list[int]:
 cfg = JobConfig()
 cfg.training.compile = True
 cfg.training.micro_batch_size = 3
-trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
+trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device)
 report["train_graphs"] = graphs_after_each_step(trainer.train_step)
 
 counters.clear()
@@ -71,7 +71,7 @@ attention.FlexAttention._compiled_flex_attn = torch.compile(flex_attention, back
 cfg = JobConfig()
 cfg.model.attention = "flex"
 cfg.training.micro_batch_size = 3
-scorer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
+scorer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device)
 report["flex_logprob_graphs"] = graphs_after_each_step(scorer.compute_logprobs)
 report["fail_on_recompile_limit_hit"] = bool(torch._dynamo.config.fail_on_recompile_limit_hit)
 report["recompile_limit"] = int(torch._dynamo.config.recompile_limit)
