@@ -45,7 +45,7 @@ from reflow.distributed.placement import parse_placement_name
 from reflow.sim.predict import PREDICTED, predict, sim_config, workload_of, world_of
 from reflow.sim.profiles import PROFILES, QWEN3_8B_H800, fit_profile, with_engine_settings
 from reflow.sim.system import SimConfig, simulate, simulate_job
-from reflow.sim.workload import REASONING_DRIFT, chain_sum_workload
+from reflow.sim.workload import REASONING_DRIFT, chain_sum_prompt_tokens, chain_sum_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ("sync", "one_step_off", "async", "reflow")
@@ -111,6 +111,7 @@ def cmd_validate(args) -> int:
         print(f"reflow.sim validate: {error}: run `python -m reflow.bench modes` again", file=sys.stderr)
         return 2
     dataset = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
+    prompt_tokens = chain_sum_prompt_tokens(os.path.join(ROOT, cfg.task.train_file))
     sent = {mode: _sent(metrics[mode]) for mode in MODES}
     generated = {mode: _group_lengths(sent[mode]) for mode in MODES}
     detail, throughput_errors, idle_errors = {}, [], []
@@ -126,7 +127,10 @@ def cmd_validate(args) -> int:
         groups = (generated[source] if source == mode else _group_lengths(sent[source], max_version=steps)) or [
             group for other in MODES if other != "sync" for group in _group_lengths(sent[other], max_version=steps)
         ]
-        workload = dataclasses.replace(dataset, empirical_groups=tuple(groups)) if groups else dataset
+        workload = dataclasses.replace(
+            dataset, empirical_groups=tuple(lengths for _, lengths in groups),
+            empirical_prompt_tokens=tuple(prompt_tokens.get(prompt, dataset.prompt_tokens) for prompt, _ in groups),
+        ) if groups else dataset
         # the bench's shape (its world and split), every other setting as ``predict`` reads it from the config
         # (macro_steps 1: the live engine's granularity, admission and commands after every decode step)
         sim = simulate(sim_config(cfg, world, steps, bench["warmup"], mode, rollout_ranks=bench["rollout_ranks"]),
@@ -205,15 +209,15 @@ def _sent(metrics_path: str) -> list[dict]:
     ]
 
 
-def _group_lengths(sent: list[dict], max_version: int | None = None) -> list[tuple[int, ...]]:
-    """The response lengths of every group in ``sent`` (of those finished at a version up to ``max_version``),
-    a tuple per group (a sample's uid is its group's id, "/", its index in the group), in the order the groups
-    first appear."""
+def _group_lengths(sent: list[dict], max_version: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """The prompt id and response lengths of every group in ``sent`` (of those finished at a version up to
+    ``max_version``), in the order the groups first appear. A sample's uid is its group's id, "/", its index in
+    the group; a group's id is its prompt's id, "#", the draw's repeat."""
     groups: dict[str, list[int]] = {}
     for entry in sent:
         if max_version is None or entry["finish_version"] <= max_version:
             groups.setdefault(entry["uid"].rsplit("/", 1)[0], []).append(entry["response_len"])
-    return [tuple(lengths) for lengths in groups.values()]
+    return [(group.split("#", 1)[0], tuple(lengths)) for group, lengths in groups.items()]
 
 
 def _measured_detail(metrics_path: str, warmup: int, sent: list[dict]) -> dict:

@@ -254,9 +254,11 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
 def with_engine_settings(profile: CostProfile, rollout) -> CostProfile:
     """``profile`` with the engine limits a config's ``[rollout]`` section sets: its KV cache (num_kv_blocks x
     kv_block_size tokens, when num_kv_blocks is set: a KV-bound workload) and max_num_seqs. A fitted profile
-    knows the costs of a step, not the limits the run was given: those come from the config it ran."""
+    knows the costs of a step, not the limits the run was given: those come from the config it ran. vLLM keeps
+    one of the num_kv_blocks as its null block (``BlockPool.null_block``, never allocated): the sequences share
+    the rest."""
     block = rollout.kv_block_size or profile.kv_block_size
-    budget = rollout.num_kv_blocks * block if rollout.num_kv_blocks else profile.kv_budget_tokens
+    budget = (rollout.num_kv_blocks - 1) * block if rollout.num_kv_blocks else profile.kv_budget_tokens
     return replace(profile, kv_block_size=block, kv_budget_tokens=budget, max_num_seqs=rollout.max_num_seqs)
 
 

@@ -243,9 +243,10 @@ class SimGroups:
     def requests(self, draw: int, version: int) -> list[Request]:
         sim = self.sim
         workload, group = sim.workload, f"g{draw}"
-        prompt = [0] * workload.prompt_tokens  # shared by the group, as its prompt blocks are
+        prompt_tokens, lengths = workload.draw_group(sim.rng, sim.steps_done, sim.cfg.group_size)
+        prompt = [0] * prompt_tokens  # shared by the group, as its prompt blocks are
         requests = []
-        for k, target in enumerate(workload.group_lengths(sim.rng, sim.steps_done, sim.cfg.group_size)):
+        for k, target in enumerate(lengths):
             turns = workload.tool_turns
             points = [target * (t + 1) // (turns + 1) for t in range(turns)] if turns else []
             requests.append(Request(
@@ -732,8 +733,9 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
             for prompt, draw in enumerate(round_draws):
                 rank, group = prompt % cfg.gpus, f"g{draw}"
                 group_tokens[group] = (rank, 0, 0)
-                prompt_ids = [0] * workload.prompt_tokens
-                for k, target in enumerate(workload.group_lengths(rng, step - 1, cfg.group_size)):
+                prompt_tokens, lengths = workload.draw_group(rng, step - 1, cfg.group_size)
+                prompt_ids = [0] * prompt_tokens
+                for k, target in enumerate(lengths):
                     engines[rank].add(Request(f"{group}/{k}", prompt_ids, workload.max_tokens, k,
                                               meta={"group": group, "sim": SimTrajectory(target)}))
             for engine in engines:

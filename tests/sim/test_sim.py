@@ -165,6 +165,13 @@ def test_an_empirical_workload_draws_whole_groups():
     growing = Workload(name="g", prompt_tokens=10, median_tokens=5, sigma=0.0, max_tokens=100, empirical_groups=((10,),),
                        length_schedule=((5, 3.0),))
     assert growing.group_lengths(rng, 4, 2) == [10, 10] and growing.group_lengths(rng, 5, 2) == [30, 30]
+    # a long chain_sum answer comes with a long prompt: each group's prompt length is drawn with it
+    paired = Workload(name="p", prompt_tokens=10, median_tokens=5, sigma=0.0, max_tokens=100,
+                      empirical_groups=((3, 4), (40, 38)), empirical_prompt_tokens=(5, 35))
+    assert {(prompt, tuple(lengths)) for prompt, lengths in (paired.draw_group(rng, 0, 2) for _ in range(40))} == {
+        (5, (3, 4)), (35, (40, 38))
+    }
+    assert measured.draw_group(rng, 0, 4)[0] == 10  # unknown prompt lengths: the workload's one
 
 
 def test_shipped_profiles_are_complete():
@@ -246,15 +253,16 @@ def test_sync_dynamic_sampling_generates_extra_rounds_for_the_missing_groups():
 
 def test_a_kv_bound_config_sets_the_simulated_engines_cache():
     """``python -m reflow.sim validate`` on the rollout-bound bench: the engines hold what the config gives them
-    (10 blocks of 32 tokens), not the fitted profile's default cache."""
+    (10 blocks of 32 tokens, less the one vLLM keeps as its null block: 9 to share), not the fitted profile's
+    default cache."""
     from reflow.config import ConfigManager
     from reflow.sim.profiles import with_engine_settings
 
     cfg = ConfigManager().parse_args(["--config", "train_configs/bench_rollout_bound.toml"])
     bound = with_engine_settings(TINY_CPU, cfg.rollout)
-    assert (bound.kv_budget_tokens, bound.kv_block_size, bound.max_num_seqs) == (320, 32, 256)
+    assert (bound.kv_budget_tokens, bound.kv_block_size, bound.max_num_seqs) == (288, 32, 256)
     assert bound.decode_token_s == TINY_CPU.decode_token_s  # the costs stay the profile's
     free = with_engine_settings(TINY_CPU, ConfigManager().parse_args(["--config", "train_configs/bench_modes.toml"]).rollout)
     assert (free.kv_budget_tokens, free.kv_block_size) == (TINY_CPU.kv_budget_tokens, TINY_CPU.kv_block_size)
     engine = SimEngine(bound, 0, max_steps=1)
-    assert engine.budget_blocks == 10
+    assert engine.budget_blocks == 9
