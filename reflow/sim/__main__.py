@@ -9,9 +9,11 @@
 fit       a cost profile from a real decoupled run's metrics.jsonl (``reflow.sim.profiles.fit_profile``)
 validate  replays the modes benchmark's configuration (the config its JSON names, its world size, split and
           engine limits: a KV-bound config's KV cache) in the simulator, each mode with a tiny-cpu profile fitted
-          from its own run (the first seed's) and the groups of lengths that run wrote, or with ``--fit-on
-          MODE`` every mode from that one mode's run (a prediction of the modes it has not seen), and reports
-          each mode's error against the measured values: relative for tokens/s, loss-weighted tokens/s and
+          on its own runs (every seed the benchmark kept, pooled) and the groups of lengths they wrote, or with
+          ``--fit-on MODE`` every mode from that one mode's runs (a prediction of the modes it has not seen),
+          and reports each mode's error against its measured values (the mean over its seeds; one run's own
+          trainer speed drifts by about a tenth from the next one's on a shared machine, which a profile fitted
+          on another run cannot know): relative for tokens/s, loss-weighted tokens/s and
           fresh samples/s, absolute for the idle ratios, the replay fraction and the evicted fraction
           (fractions of time or of samples), with mean in-flight, admission-to-finish and sync seconds.
           Top-level keys: throughput_error and idle_error (the worst over modes), worst_error, and per-mode
@@ -88,22 +90,21 @@ def cmd_validate(args) -> int:
     bench = _bench_config(real)
     cfg, world = bench["cfg"], bench["world"]
     work_dir = os.path.dirname(os.path.abspath(args.real))
-    # the first seed's runs (``python -m reflow.bench modes --seeds N`` keeps the others beside them)
-    metrics = {mode: os.path.join(work_dir, mode, "metrics.jsonl") for mode in MODES}
-    missing = [path for path in metrics.values() if not os.path.exists(path)]
+    # every seed's run the benchmark kept: the first seed's beside the JSON, the others under seedN/
+    runs = {mode: _seed_runs(work_dir, mode, real["modes"][mode]) for mode in MODES}
+    missing = [mode for mode, paths in runs.items() if not paths]
     if missing:
-        print(f"reflow.sim validate: {', '.join(missing)} not found: run `python -m reflow.bench modes` first", file=sys.stderr)
+        print(f"reflow.sim validate: no run of {', '.join(missing)} beside {args.real}: run `python -m reflow.bench "
+              "modes` first", file=sys.stderr)
         return 2
-    # a profile per run: the component costs (an engine step, a train step, a sync, the loops' own seconds, the
-    # trainer's noise) measured in the run the simulation stands for, and the system's behaviour predicted from
-    # them. The runs follow one another on a shared machine whose speed drifts by a fifth over the benchmark's
-    # quarter hour, so one profile pooled over runs would charge each mode the others' machine
-    # with --fit-on, every mode from that one mode's run: its costs and the lengths its policy wrote
+    # a profile per mode: the component costs (an engine step, a train step, a sync, the loops' own seconds, the
+    # trainer's noise) measured in the runs the simulation stands for, and the system's behaviour predicted from
+    # them; with --fit-on, every mode from that one mode's runs
     sources = {mode: args.fit_on or mode for mode in MODES}
     try:
         profiles = {
             source: with_engine_settings(
-                fit_profile([metrics[source]], f"tiny-cpu {source} (fitted)", warmup_steps=bench["warmup"]), cfg.rollout,
+                fit_profile(runs[source], f"tiny-cpu {source} (fitted)", warmup_steps=bench["warmup"]), cfg.rollout,
             )
             for source in set(sources.values())
         }
@@ -112,21 +113,19 @@ def cmd_validate(args) -> int:
         return 2
     dataset = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
     prompt_tokens = chain_sum_prompt_tokens(os.path.join(ROOT, cfg.task.train_file))
-    sent = {mode: _sent(metrics[mode]) for mode in MODES}
-    generated = {mode: _group_lengths(sent[mode]) for mode in MODES}
+    sent = {mode: [_sent(path) for path in runs[mode]] for mode in MODES}
     detail, throughput_errors, idle_errors = {}, [], []
     for mode in MODES:
-        # the first seed's run (the one the profile and the lengths come from), not the seeds' mean
-        measured = next((run for run in real["modes"][mode].get("per_seed", []) if run.get("seed") == 0), real["modes"][mode])
-        # the groups of lengths the policy wrote in this run (it is not the dataset's answers: the tiny model
-        # stops short of the longest chains), from its ledger; sync mode keeps none, so it draws from the groups
-        # the decoupled runs finished over the steps it ran (the same task and starting policy, at the same
-        # stage of training: the lengths move as the policy learns)
+        measured = real["modes"][mode]  # the means over the seeds
+        # the groups of lengths the policy wrote in these runs (it is not the dataset's answers: the tiny model
+        # stops short of the longest chains), from their ledgers; sync mode keeps none, so it draws from the
+        # groups the decoupled runs finished over the steps it ran (the same task and starting policy, at the
+        # same stage of training: the lengths move as the policy learns)
         steps = int(round(measured["steps"]))
         source = sources[mode]
-        groups = (generated[source] if source == mode else _group_lengths(sent[source], max_version=steps)) or [
-            group for other in MODES if other != "sync" for group in _group_lengths(sent[other], max_version=steps)
-        ]
+        groups = [
+            group for run in sent[source] for group in _group_lengths(run, max_version=None if source == mode else steps)
+        ] or [group for other in MODES if other != "sync" for run in sent[other] for group in _group_lengths(run, steps)]
         workload = dataclasses.replace(
             dataset, empirical_groups=tuple(lengths for _, lengths in groups),
             empirical_prompt_tokens=tuple(prompt_tokens.get(prompt, dataset.prompt_tokens) for prompt, _ in groups),
@@ -142,7 +141,7 @@ def cmd_validate(args) -> int:
         idle_errors.append(idle)
         observed = {
             **{k: measured.get(k) for k in PREDICTED},
-            **_measured_detail(metrics[mode], bench["warmup"], sent[mode]),
+            **_mean_detail([_measured_detail(path, bench["warmup"], run) for path, run in zip(runs[mode], sent[mode])]),
         }
         simulated = {k: sim.get(k, 0.0) for k in observed}
         errors = {}
@@ -157,7 +156,8 @@ def cmd_validate(args) -> int:
         }
     result = {
         "command": "python -m reflow.sim validate" + (f" --fit-on {args.fit_on}" if args.fit_on else ""),
-        "fitted_on": args.fit_on or "each mode's own run",
+        "fitted_on": args.fit_on or "each mode's own runs",
+        "seeds": {mode: len(paths) for mode, paths in runs.items()},
         "real": os.path.relpath(args.real, ROOT) if os.path.isabs(args.real) else args.real,
         "profiles": {source: profile.as_dict() for source, profile in profiles.items()},
         "workload": {
@@ -198,6 +198,26 @@ ABSOLUTE_ERROR_KEYS = frozenset({
     "trainer_idle_ratio", "trainer_wait_ratio", "sync_stall_ratio", "rollout_idle_ratio", "replay_fraction",
     "evicted_fraction",
 })
+
+
+def _seed_runs(work_dir: str, mode: str, summary: dict) -> list[str]:
+    """The metrics.jsonl of every seed's run of ``mode`` that the benchmark kept in ``work_dir`` (``python -m
+    reflow.bench modes``: seed 0 at <mode>/, seed N at seedN/<mode>/), of the seeds its JSON summarizes."""
+    seeds = [run.get("seed", 0) for run in summary.get("per_seed", [])] or [0]
+    paths = [
+        os.path.join(work_dir, mode if seed == 0 else os.path.join(f"seed{seed}", mode), "metrics.jsonl") for seed in seeds
+    ]
+    return [path for path in paths if os.path.exists(path)]
+
+
+def _mean_detail(details: list[dict]) -> dict:
+    """The mean over runs of each ``_measured_detail`` value (None where no run measured it)."""
+    keys = details[0].keys() if details else []
+    out = {}
+    for key in keys:
+        values = [d[key] for d in details if d[key] is not None]
+        out[key] = sum(values) / len(values) if values else None
+    return out
 
 
 def _sent(metrics_path: str) -> list[dict]:

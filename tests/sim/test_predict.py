@@ -81,3 +81,26 @@ def test_the_command_predicts_every_mode_with_overrides_and_refuses_what_it_cann
     assert main(["predict", "--config", "train_configs/bench_rollout_bound.toml", "--world", "2", "--replay.sigma=2"]) == 2
     assert "replay.sigma" in capsys.readouterr().err
     assert main(["validate", "--fit-on", "nonsense"]) == 2
+
+
+def test_validate_reads_every_seed_the_bench_kept_and_each_groups_prompt(tmp_path):
+    """``validate`` fits and compares over every seed's run the modes benchmark kept (seed 0 beside its JSON,
+    seed N under seedN/), and pairs each logged group with its prompt (a group's id is the prompt's id, "#", the
+    draw's repeat), whose length the simulated engines then hold."""
+    from reflow.sim.__main__ import _group_lengths, _seed_runs
+
+    for folder in ("async", "seed2/async", "seed1/reflow"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "metrics.jsonl").write_text("")
+    summary = {"per_seed": [{"seed": 0}, {"seed": 1}, {"seed": 2}]}
+    assert _seed_runs(str(tmp_path), "async", summary) == [
+        str(tmp_path / "async" / "metrics.jsonl"), str(tmp_path / "seed2" / "async" / "metrics.jsonl"),
+    ]  # (seed 1's async run is not there: left out)
+    assert _seed_runs(str(tmp_path), "reflow", {}) == []  # no seeds summarized: seed 0's run, which is missing
+    sent = [
+        {"uid": "long-4-681#0/0", "response_len": 28, "finish_version": 0},
+        {"uid": "long-4-7#1/0", "response_len": 5, "finish_version": 3},
+        {"uid": "long-4-681#0/1", "response_len": 29, "finish_version": 0},
+    ]
+    assert _group_lengths(sent) == [("long-4-681", (28, 29)), ("long-4-7", (5,))]
+    assert _group_lengths(sent, max_version=2) == [("long-4-681", (28, 29))]
