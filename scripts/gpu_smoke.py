@@ -96,7 +96,7 @@ def main() -> int:
     def _():
         from reflow.trainer.policy import PolicyTrainer
 
-        trainer = PolicyTrainer(cfg, recipe, hf_dir, layouts, 1, device)
+        trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device)
         state["trainer"] = trainer
         before = {n: p.to_local().detach().float().clone() for n, p in trainer.model.named_parameters()}
         losses = [trainer.train_step(batch).loss for _ in range(3)]
@@ -189,7 +189,7 @@ def main() -> int:
 
             trainer = state["trainer"]
             trainer.park("optimizer", "parameters")
-            engine = RolloutEngine(cfg, recipe, hf_dir, seed=0)
+            engine = RolloutEngine(cfg.rollout, recipe, hf_dir, seed=0)
             state["engine"] = engine
             torch.cuda.synchronize()
             free_awake = torch.cuda.mem_get_info()[0]

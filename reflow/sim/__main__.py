@@ -15,7 +15,8 @@ validate  replays the modes benchmark's configuration (the config its JSON names
           trainer speed drifts by about a tenth from the next one's on a shared machine, which a profile fitted
           on another run cannot know): relative for tokens/s, loss-weighted tokens/s and
           fresh samples/s, absolute for the idle ratios, the replay fraction and the evicted fraction
-          (fractions of time or of samples), with mean in-flight, admission-to-finish and sync seconds.
+          (idle: the mean over steps of each step's share; the rest fractions of samples), with mean in-flight,
+          admission-to-finish and sync seconds.
           Top-level keys: throughput_error and idle_error (the worst over modes), worst_error, and per-mode
           detail. Run ``python -m reflow.bench modes`` first. Target: within 0.10.
 predict   a config that has not run (``reflow.sim.predict``): every setting the simulator models read from
@@ -173,7 +174,7 @@ def cmd_validate(args) -> int:
         },
         "target": {"within": 0.10, "met": all(row["worst_error"] <= 0.10 for row in detail.values())},
         "idle_error_definition": (
-            "the absolute difference of the idle ratios (fractions of time), the worse of trainer and rollout"
+            "the absolute difference of the idle ratios (means over steps of each step's share), the worse of trainer and rollout"
         ),
         "error_definition": (
             f"absolute difference for {', '.join(sorted(ABSOLUTE_ERROR_KEYS))} (fractions); relative error for the rest"
@@ -232,12 +233,12 @@ def _sent(metrics_path: str) -> list[dict]:
 def _group_lengths(sent: list[dict], max_version: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
     """The prompt id and response lengths of every group in ``sent`` (of those finished at a version up to
     ``max_version``), in the order the groups first appear. A sample's uid is its group's id, "/", its index in
-    the group; a group's id is its prompt's id, "#", the draw's repeat."""
+    the group; a group's id is its prompt's id, "#", the draw (its position in the prompt stream)."""
     groups: dict[str, list[int]] = {}
     for entry in sent:
         if max_version is None or entry["finish_version"] <= max_version:
             groups.setdefault(entry["uid"].rsplit("/", 1)[0], []).append(entry["response_len"])
-    return [(group.split("#", 1)[0], tuple(lengths)) for group, lengths in groups.items()]
+    return [(group.rsplit("#", 1)[0], tuple(lengths)) for group, lengths in groups.items()]
 
 
 def _measured_detail(metrics_path: str, warmup: int, sent: list[dict]) -> dict:
@@ -260,7 +261,7 @@ def _validate_png(path: str, detail: dict) -> None:
     fig, axes = figure(1, 2, 14, 5)
     pairs = lambda key: {m: {"measured": r["measured"][key], "simulated": r["simulated"][key]} for m, r in detail.items()}  # noqa: E731
     grouped_bars(axes[0][0], pairs("tokens_per_s"), "tokens/s: measured and simulated", "tokens / s", digits=0)
-    grouped_bars(axes[0][1], pairs("rollout_idle_ratio"), "rollout idle: measured and simulated", "fraction of wall time")
+    grouped_bars(axes[0][1], pairs("rollout_idle_ratio"), "rollout idle: measured and simulated", "mean share of a step")
     save(fig, path)
 
 
@@ -418,7 +419,7 @@ def _compare_png(path: str, scales: dict) -> None:
             m.replace("reflow_", "r_"): {"trainer idle": row[m]["trainer_idle_ratio"],
                                          "rollout idle": row[m]["rollout_idle_ratio"]}
             for m in modes
-        }, f"{gpus} GPUs: idle ratios by mode", "fraction of wall time")
+        }, f"{gpus} GPUs: idle ratios by mode", "mean share of a step")
         timeline = row["reflow_adaptive"]["timeline"]
         replicas = [parse_placement_name(t["placement"]).replicate_degree for t in timeline]
         axis = axes[k][1]

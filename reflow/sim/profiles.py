@@ -252,7 +252,7 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
 
 
 def with_engine_settings(profile: CostProfile, rollout) -> CostProfile:
-    """``profile`` with the engine limits a config's ``[rollout]`` section sets: its KV cache (num_kv_blocks x
+    """``profile`` with the engine limits a config's ``[rollout]`` section sets: its KV cache ((num_kv_blocks - 1) x
     kv_block_size tokens, when num_kv_blocks is set: a KV-bound workload) and max_num_seqs. A fitted profile
     knows the costs of a step, not the limits the run was given: those come from the config it ran. vLLM keeps
     one of the num_kv_blocks as its null block (``BlockPool.null_block``, never allocated): the sequences share
