@@ -258,14 +258,21 @@ def aggregate(per_seed: list[dict]) -> dict:
 
 def paired_rewards(modes: dict) -> dict:
     """reflow against each other mode: the per-seed paired differences of the eval reward at equal time (same
-    seed, same eval prompts and sampling seeds), their mean and lower one-sided 95% t bound."""
+    seed, same eval prompts and sampling seeds) over the seeds both ran, their mean and lower one-sided 95% t
+    bound, and those seeds."""
     if "reflow" not in modes:
         return {}
-    mine = modes["reflow"]["eval_reward_at_equal_time_spread"]["values"]
-    return {
-        f"reflow-{other}": paired_difference(mine, modes[other]["eval_reward_at_equal_time_spread"]["values"])
-        for other in modes if other != "reflow"
-    }
+    mine = {run["seed"]: run["eval_reward_at_equal_time"] for run in modes["reflow"]["per_seed"]}
+    out = {}
+    for other in modes:
+        if other == "reflow":
+            continue
+        theirs = {run["seed"]: run["eval_reward_at_equal_time"] for run in modes[other]["per_seed"]}
+        seeds = sorted(set(mine) & set(theirs))
+        if seeds:
+            pair = paired_difference([mine[s] for s in seeds], [theirs[s] for s in seeds])
+            out[f"reflow-{other}"] = {**pair, "seeds": seeds}
+    return out
 
 
 SPEEDUP_TARGET = 1.25
@@ -301,9 +308,9 @@ def targets(modes: dict, paired: dict) -> dict:
                 "mean": pair["mean"], "lower_95": lower, "target": -0.02, "met": lower is not None and lower >= -0.02,
             }
     for other in ("sync", "one_step_off"):
-        if other in modes:
-            margin = reflow["eval_reward_at_equal_time"] - modes[other]["eval_reward_at_equal_time"]
-            result[f"eval_reward_vs_{other}"] = {"margin": margin, "met": margin > 0}
+        pair = paired.get(f"reflow-{other}")
+        if pair:  # on the seeds both ran (the mean of the paired differences)
+            result[f"eval_reward_vs_{other}"] = {"margin": pair["mean"], "seeds": len(pair["seeds"]), "met": pair["mean"] > 0}
     result["evicted_fraction"] = {"value": reflow["evicted_fraction"], "target": 0.05, "met": reflow["evicted_fraction"] <= 0.05}
     survival = reflow.get("survival_by_length_decile", [])
     result["survival_by_length_decile_min"] = {"value": min(survival, default=1.0), "target": 0.9,
@@ -403,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def merge_results(paths: list[str]) -> dict:
     """Several results of one workload (config, overrides, world) as one: each mode's per-seed runs by seed, a
-    later file's replacing an earlier's (a rerun of seeds that a disturbance hit)."""
+    later file's replacing an earlier's (a rerun of seeds that a disturbance hit), and every mode any of them
+    ran (results of different modes, run apart, in one table)."""
     results = [json.load(open(path)) for path in paths]
     first = results[0]
     for path, other in zip(paths[1:], results[1:]):
@@ -414,7 +422,8 @@ def merge_results(paths: list[str]) -> dict:
     merged["merged_from"] = [{"path": path, "command": result["command"], "seeds": result.get("seed_list")}
                              for path, result in zip(paths, results)]
     merged["modes"] = {}
-    for mode in first["modes"]:
+    ran = {mode for result in results for mode in result["modes"]}
+    for mode in [m for m in MODES if m in ran] + sorted(ran - set(MODES)):
         by_seed = {}
         for result in results:
             for run in result["modes"].get(mode, {}).get("per_seed", []):

@@ -68,13 +68,15 @@ def test_paired_difference_gives_the_one_sided_t_bound():
 def test_targets_read_the_paired_bound_and_every_claim():
     from reflow.bench.modes import paired_rewards, targets
 
-    def mode(tokens, loss, fresh, idle, evals, evicted=0.0, survival=None):
+    def mode(tokens, loss, fresh, idle, evals, evicted=0.0, survival=None, seeds=None):
+        seeds = seeds or list(range(len(evals)))
         return {"tokens_per_s": tokens, "loss_tokens_per_s": loss, "fresh_samples_per_s": fresh, "rollout_idle_ratio": idle,
                 "eval_reward_at_equal_time": sum(evals) / len(evals), "evicted_fraction": evicted,
-                "eval_reward_at_equal_time_spread": {"values": evals}, "survival_by_length_decile": survival or [1.0] * 10}
+                "per_seed": [{"seed": s, "eval_reward_at_equal_time": e} for s, e in zip(seeds, evals)],
+                "survival_by_length_decile": survival or [1.0] * 10}
 
     modes = {
-        "sync": mode(50, 50, 1.0, 0.5, [0.30, 0.31, 0.29]),
+        "sync": mode(50, 50, 1.0, 0.5, [0.30, 0.31], seeds=[0, 2]),  # run apart, on fewer seeds
         "one_step_off": mode(80, 80, 1.5, 0.3, [0.35, 0.36, 0.34]),
         "async": mode(100, 100, 2.0, 0.2, [0.40, 0.42, 0.41]),
         "reflow": mode(130, 120, 1.9, 0.22, [0.41, 0.41, 0.42], evicted=0.01, survival=[1.0] * 9 + [0.85]),
@@ -87,6 +89,10 @@ def test_targets_read_the_paired_bound_and_every_claim():
     assert out["fresh_samples_per_s_vs_async"]["met"] and out["rollout_idle_above_async"]["met"]
     assert out["eval_reward_vs_async_lower_95"]["met"] == (paired["reflow-async"]["lower_95"] >= -0.02)
     assert out["eval_reward_vs_sync"]["met"] and out["eval_reward_vs_one_step_off"]["met"]
+    # paired by seed, on the seeds both ran: reflow's seeds 0 and 2 against sync's
+    assert paired["reflow-sync"]["seeds"] == [0, 2] and [round(d, 9) for d in paired["reflow-sync"]["differences"]] == [
+        0.11, 0.11
+    ]
     assert out["evicted_fraction"]["met"] and not out["survival_by_length_decile_min"]["met"]
 
 
@@ -110,7 +116,7 @@ def test_merging_results_replaces_the_rerun_seeds_and_pairs_by_seed(tmp_path):
 
     def result(path, seeds, rewards):
         modes = {m: {"placement": "T1x1+R1", "per_seed": [run(s, rewards[m] + s / 100) for s in seeds]}
-                 for m in ("async", "reflow")}
+                 for m in rewards}
         body = {"command": f"bench {seeds}", "start_eval_reward": 0.3, "config": "c.toml", "overrides": [],
                 "world_size": 2, "rollout_ranks": 1,
                 "time_budget_s": 60, "eval_prompts": 512, "seed_list": seeds, "modes": modes}
@@ -126,6 +132,11 @@ def test_merging_results_replaces_the_rerun_seeds_and_pairs_by_seed(tmp_path):
     written = json.loads(out.read_text())
     diffs = written["paired_eval_reward"]["reflow-async"]["differences"]
     assert [round(d, 9) for d in diffs] == [0.1, 0.1, 0.02, 0.02]  # seeds 2 and 3 from the rerun
+    # the baselines, run apart: every mode any result ran is in the merged table, in the modes' order
+    baselines = result(tmp_path / "s.json", [0, 1], {"sync": 0.30, "one_step_off": 0.35})
+    together = merge_results([first, rerun, baselines])
+    assert list(together["modes"]) == ["sync", "one_step_off", "async", "reflow"]
+    assert [run["seed"] for run in together["modes"]["sync"]["per_seed"]] == [0, 1]
     bad = result(tmp_path / "c.json", [4], {"async": 0.4, "reflow": 0.4})
     body = json.loads(open(bad).read())
     body["config"] = "other.toml"
