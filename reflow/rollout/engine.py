@@ -148,8 +148,8 @@ class RolloutEngine:
 
         r = self.rollout
         return SamplingParams(
-            temperature=r.temperature,
-            top_p=r.top_p,
+            temperature=r.temperature if req.temperature is None else req.temperature,
+            top_p=r.top_p if req.top_p is None else req.top_p,
             max_tokens=req.max_tokens - len(req.output_ids),
             logprobs=0,
             # the request's own seed, advanced by the tokens it has: a held partial rollout resumes with a fresh

@@ -18,7 +18,12 @@ class Request:
     ignore_eos: bool = False
     """Generate exactly max_tokens (synthetic workloads with a chosen length distribution: benchmarks)."""
     stop: tuple[str, ...] = ()
-    """Strings that end a model turn (a multi-turn task's tool call); the string is kept in the output."""
+    """Strings that end a model turn (a multi-turn task's tool call, a served request's ``stop``); the string is
+    kept in the output."""
+    temperature: float | None = None
+    top_p: float | None = None
+    """Sampling settings of this request alone (a served request's); None: the run's [rollout] settings, the
+    distribution the trainer's log-probs assume (every training request)."""
     # filled while generating
     output_ids: list[int] = field(default_factory=list)
     """The response: the model's tokens and, in a multi-turn trajectory, the environment's between its turns."""

@@ -1,0 +1,276 @@
+"""An OpenAI-compatible HTTP API over an ``EngineLoop``: ``/v1/models``, ``/v1/completions`` and
+``/v1/chat/completions``, in OpenAI's request and response shapes (FastAPI; the server is
+``reflow.serving.server``).
+
+    app = build_app(ServedModel(loop, tokenizer, "tiny", max_model_len=256), api_key="...")
+
+Every request needs ``Authorization: Bearer <api_key>``. A malformed request, an unknown model, a prompt that
+does not fit the context or an option this server does not serve (streaming, alternatives' log-probs)
+gets OpenAI's error shape, {"error": {"message", "type", "param", "code"}}, with a 4xx status, before anything
+reaches the engine; so does a request with an option this server would otherwise ignore (``echo``,
+``best_of`` above 1, ``logit_bias``, penalties, ``response_format``, a forced ``tool_choice``). Each response
+also carries the exact tokens: ``prompt_token_ids`` (beside the choices) and each choice's ``token_ids``
+(every token sampled, the stop string's included), so a caller can train on exactly what was sampled rather
+than on text re-tokenized.
+
+Sampling: ``temperature`` and ``top_p`` are the request's own (defaults 1.0); ``n`` completions of one
+prompt are sampled with seeds ``seed``, ``seed`` + 1, ... (a random ``seed`` when the request has none);
+``stop`` strings end a completion (the text leaves the stop string out; ``token_ids`` keep every token
+sampled); ``logprobs`` report each sampled token's log-probability.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from reflow.rollout.request import Request as EngineRequest
+from reflow.rollout.tokenizer import PromptTokenizer
+from reflow.serving.chat import assistant_message, render
+from reflow.serving.engine_loop import EngineLoop
+
+
+@dataclass
+class ServedModel:
+    loop: EngineLoop
+    tokenizer: PromptTokenizer
+    """The model's tokenizer as training uses it (a text prompt gets BOS first); ``.tok``, the Hugging Face one,
+    has the chat template."""
+    name: str
+    max_model_len: int
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}},
+            status_code=self.status,
+        )
+
+
+class _Sampling(BaseModel):
+    """The fields both APIs share; null stands for the default, as OpenAI's clients send it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[int]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+
+class ChatBody(_Sampling):
+    messages: list[dict]
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+SEED_LIMIT = 2**63 - 256
+"""Seeds (with their n - 1 successors) must fit the engine's 64-bit generator."""
+
+UNSERVED = {
+    "echo": lambda v: bool(v), "best_of": lambda v: v not in (None, 1), "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0), "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "response_format": lambda v: v not in (None, {"type": "text"}), "suffix": lambda v: bool(v),
+}
+"""Options this server does not serve, and when a value asks for them: refused rather than ignored."""
+
+
+def _check_sampling(body: _Sampling, model: ServedModel) -> None:
+    """Refuse what cannot be served, then fill in the defaults of what was null."""
+    if body.model != model.name:
+        raise OpenAIError(404, f"The model `{body.model}` does not exist; this server serves `{model.name}`", "model",
+                          "model_not_found")
+    if body.stream:
+        raise OpenAIError(400, "stream: this server answers whole responses only; send stream=false", "stream")
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSERVED and UNSERVED[name](value):
+            raise OpenAIError(400, f"{name}: this server does not serve it; leave it out", name)
+    body.n = 1 if body.n is None else body.n
+    body.temperature = 1.0 if body.temperature is None else body.temperature
+    body.top_p = 1.0 if body.top_p is None else body.top_p
+    if not 1 <= body.n <= 128:
+        raise OpenAIError(400, f"n must be in [1, 128], got {body.n}", "n")
+    if not 0.0 <= body.temperature <= 2.0:
+        raise OpenAIError(400, f"temperature must be in [0, 2], got {body.temperature}", "temperature")
+    if not 0.0 < body.top_p <= 1.0:
+        raise OpenAIError(400, f"top_p must be in (0, 1], got {body.top_p}", "top_p")
+    if body.seed is not None and not 0 <= body.seed < SEED_LIMIT:
+        raise OpenAIError(400, f"seed must be in [0, 2**63 - 256), got {body.seed}", "seed")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if any(not stop for stop in stops) or len(stops) > 4:
+        raise OpenAIError(400, "stop: up to 4 strings, none of them empty", "stop")
+
+
+def _max_tokens(requested: int | None, prompt_len: int, model: ServedModel, param: str, prompt_param: str) -> int:
+    room = model.max_model_len - prompt_len
+    if room <= 0:
+        raise OpenAIError(400, f"the prompt has {prompt_len} tokens; this model's context is {model.max_model_len}",
+                          prompt_param, "context_length_exceeded")
+    if requested is None:
+        return room
+    if requested < 1:
+        raise OpenAIError(400, f"{param} must be at least 1, got {requested}", param)
+    if requested > room:
+        raise OpenAIError(400, f"{param} = {requested} does not fit: the prompt has {prompt_len} tokens and the "
+                          f"context {model.max_model_len}", param, "context_length_exceeded")
+    return requested
+
+
+async def _generate(model: ServedModel, prompt_ids: list[int], body: _Sampling, max_tokens: int) -> list[EngineRequest]:
+    """``body.n`` completions of ``prompt_ids`` through the engine loop, in order."""
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    base = uuid.uuid4().hex
+    futures = [
+        model.loop.submit(EngineRequest(
+            f"api-{base}-{k}", list(prompt_ids), max_tokens, seed=seed + k, stop=stop, temperature=body.temperature,
+            top_p=body.top_p,
+        ))
+        for k in range(body.n)
+    ]
+    return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+
+def _text(model: ServedModel, done: EngineRequest) -> str:
+    """The completion's text, up to its stop string (vLLM stops at the first match, inside the last token: the
+    text leaves it and whatever that token held after it out; ``token_ids`` keep every token)."""
+    text = model.tokenizer.tok.decode(done.output_ids, skip_special_tokens=True)
+    if isinstance(done.stop_reason, str) and done.stop_reason in text:
+        text = text[: text.index(done.stop_reason)]
+    return text
+
+
+def _token_texts(model: ServedModel, ids: list[int]) -> list[str]:
+    """Each token's own text (a byte-level token's decoded form, not its vocabulary spelling; "" for an id the
+    tokenizer does not know)."""
+    known = len(model.tokenizer.tok)
+    return [model.tokenizer.tok.decode([i]) if i < known else "" for i in ids]
+
+
+def _usage(prompt_ids: list[int], done: list[EngineRequest]) -> dict:
+    completion = sum(len(r.output_ids) for r in done)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion, "total_tokens": len(prompt_ids) + completion}
+
+
+def build_app(model: ServedModel, api_key: str) -> FastAPI:
+    app = FastAPI(title="ReFlow OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, error: OpenAIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _malformed(request: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        return OpenAIError(400, f"malformed request: {first.get('msg', 'invalid body')}", param).response()
+
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, error: Exception):  # the engine's error (every request gets it), or a bug
+        return OpenAIError(500, f"the server could not answer: {type(error).__name__}", None, "server_error",
+                           "server_error").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException):  # unknown paths and methods
+        return OpenAIError(error.status_code, str(error.detail), None, None).response()
+
+    @app.middleware("http")
+    async def _authorize(request: Request, call_next):
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return OpenAIError(401, "Incorrect API key provided", None, "invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "reflow"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        _check_sampling(body, model)
+        if body.logprobs is not None and body.logprobs > 1:
+            raise OpenAIError(400, "logprobs: this server reports the sampled token's log-probability only (0 or 1)",
+                              "logprobs")
+        prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else model.tokenizer.encode(body.prompt)
+        if not prompt_ids:
+            raise OpenAIError(400, "prompt is empty", "prompt")
+        vocabulary = len(model.tokenizer.tok)
+        if any(not 0 <= i < vocabulary for i in prompt_ids):
+            raise OpenAIError(400, f"prompt: token ids must be in [0, {vocabulary})", "prompt")
+        limit = _max_tokens(body.max_tokens, len(prompt_ids), model, "max_tokens", "prompt")
+        done = await _generate(model, prompt_ids, body, limit)
+        choices = []
+        for index, r in enumerate(done):
+            logprobs = None
+            if body.logprobs is not None:
+                tokens = _token_texts(model, r.output_ids)
+                logprobs = {"tokens": tokens, "token_logprobs": list(r.logprobs),
+                            "top_logprobs": [{t: lp} for t, lp in zip(tokens, r.logprobs)], "text_offset": None}
+            choices.append({"index": index, "text": _text(model, r), "logprobs": logprobs,
+                            "finish_reason": r.finish_reason, "token_ids": list(r.output_ids)})
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model.name, "choices": choices, "usage": _usage(prompt_ids, done),
+                "prompt_token_ids": prompt_ids}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody):
+        _check_sampling(body, model)
+        if body.top_logprobs:
+            raise OpenAIError(400, "top_logprobs: this server reports the sampled token's log-probability only",
+                              "top_logprobs")
+        if not body.messages:
+            raise OpenAIError(400, "messages is empty", "messages")
+        if body.tool_choice not in (None, "auto", "none"):
+            raise OpenAIError(400, "tool_choice: this server lets the model choose ('auto' or 'none')", "tool_choice")
+        try:
+            prompt_ids = render(model.tokenizer.tok, body.messages, body.tools)
+        except (ValueError, TypeError, KeyError, TemplateError) as error:  # the template's complaints
+            raise OpenAIError(400, f"messages: {error}", "messages") from error
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        done = await _generate(model, prompt_ids, body, _max_tokens(requested, len(prompt_ids), model, param, "messages"))
+        choices = []
+        for index, r in enumerate(done):
+            message = assistant_message(_text(model, r))
+            finish = "tool_calls" if message.get("tool_calls") and r.finish_reason == "stop" else r.finish_reason
+            logprobs = None
+            if body.logprobs:
+                tokens = _token_texts(model, r.output_ids)
+                logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                        for t, lp in zip(tokens, r.logprobs)]}
+            choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                            "token_ids": list(r.output_ids)})
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": model.name, "choices": choices, "usage": _usage(prompt_ids, done),
+                "prompt_token_ids": prompt_ids}
+
+    return app
