@@ -13,7 +13,7 @@ from reflow.algorithms.policy_losses import PolicyLossSettings
 from reflow.algorithms.schedules import LRSchedule
 
 if TYPE_CHECKING:
-    from reflow.config.job_config import JobConfig, TrainingSection
+    from reflow.config.job_config import JobConfig, KLSection, TrainingSection
 
 
 def advantage_estimator(cfg: "JobConfig") -> AdvantageEstimator:
@@ -54,25 +54,15 @@ def lr_schedule(training: "TrainingSection") -> LRSchedule:
 
 
 @dataclass(frozen=True)
-class KLPenalty:
-    """The KL penalty to the frozen reference policy ([kl]): beta, the estimator, and where it goes."""
-
-    coef: float
-    """beta; 0: no reference model and no penalty."""
-    estimator: str
-    placement: str
-    """'loss' (beta k per token in the loss) or 'reward' (-beta k per token, as a return-to-go)."""
-
-
-@dataclass(frozen=True)
 class Objective:
     """What the trainer optimizes, from [loss], [off_policy], [kl] and the sampling temperature: the one object
-    ``PolicyTrainer`` takes instead of the whole config."""
+    ``PolicyTrainer`` takes instead of the whole config. ``kl`` is the [kl] section itself (beta, the
+    estimator and where the penalty goes: already typed and checked)."""
 
     policy_loss: PolicyLossSettings
     aggregation: Aggregation
     correction: OffPolicyCorrection
-    kl: KLPenalty
+    kl: "KLSection"
     entropy_coef: float
     temperature: float
     """The rollout's sampling temperature: the trainer's log-probs are those of the distribution sampled."""
@@ -81,5 +71,5 @@ class Objective:
 def objective(cfg: "JobConfig") -> Objective:
     return Objective(
         policy_loss(cfg), aggregation(cfg), off_policy_correction(cfg),
-        KLPenalty(cfg.kl.coef, cfg.kl.estimator, cfg.kl.placement), cfg.loss.entropy_coef, cfg.rollout.temperature,
+        cfg.kl, cfg.loss.entropy_coef, cfg.rollout.temperature,
     )
