@@ -103,3 +103,19 @@ def build_trainer_layouts(world_size: int, shard_degree: int, replica_counts: li
         group = dist.group.WORLD if len(ranks) == world_size else dist.new_group(ranks)
         layouts[replicas] = TrainerLayout(replicas, shard_degree, mesh, group)
     return layouts
+
+
+def exit_ranks(code: int = 0) -> None:
+    """End a script that drives reflow's components under torchrun: every rank waits for the others, the process
+    groups are destroyed, and the process exits without the interpreter's finalization.
+
+    Finalization is where gloo's worker threads, kept alive by the device meshes that still reference their groups,
+    now and then abort the rank (SIGABRT, "terminate called without an active exception") after its work is done
+    and written. ``reflow.train`` returns normally instead: vLLM's exit hook needs the default group then."""
+    import sys
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from reflow.config.job_config import JobConfig
-from reflow.distributed import build_placement, build_trainer_layouts, init_distributed
+from reflow.distributed import build_placement, build_trainer_layouts, exit_ranks, init_distributed
 from reflow.model.qwen3 import build_model_config
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.rollout.engine import Request, RolloutEngine
@@ -98,4 +98,4 @@ if trainer is not None:
 if rank == 0:
     with open(out_path, "w") as f:
         json.dump(report, f)
-dist.barrier()
+exit_ranks()

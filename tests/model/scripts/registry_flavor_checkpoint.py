@@ -13,11 +13,10 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from reflow.distributed import init_distributed
+from reflow.distributed import exit_ranks, init_distributed
 from reflow.model.qwen3 import build_model_config, build_on_meta
 from reflow.model.recipe import load_recipe
 from reflow.trainer.parallelize import apply_fsdp
@@ -64,5 +63,4 @@ report = {
 }
 with open(out, "w") as f:
     json.dump(report, f, indent=1)
-dist.barrier()
-dist.destroy_process_group()
+exit_ranks()

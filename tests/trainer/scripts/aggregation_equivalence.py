@@ -12,11 +12,10 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 from reflow.algorithms.aggregation import AGGREGATIONS
 from reflow.config.job_config import JobConfig
-from reflow.distributed import build_trainer_layouts, init_distributed
+from reflow.distributed import build_trainer_layouts, exit_ranks, init_distributed
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.trainer.batch import index, pack, zero_batch
 from reflow.trainer.policy import PolicyTrainer
@@ -134,5 +133,4 @@ report["uneven/two_minibatches"] = {
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f, indent=1)
-dist.barrier()
-dist.destroy_process_group()
+exit_ranks()

@@ -8,11 +8,10 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from reflow.config.job_config import JobConfig
-from reflow.distributed import build_trainer_layouts, init_distributed
+from reflow.distributed import build_trainer_layouts, exit_ranks, init_distributed
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.trainer.batch import pack
 from reflow.trainer.elastic import shard_tensors
@@ -89,5 +88,4 @@ if rank == 0:
     report["max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(plain, optioned))
     with open(sys.argv[1], "w") as f:
         json.dump(report, f)
-dist.barrier()
-dist.destroy_process_group()  # gloo's threads end here, not in the interpreter's exit (an abort there)
+exit_ranks()

@@ -7,10 +7,9 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 from reflow.config.job_config import JobConfig
-from reflow.distributed import build_trainer_layouts, init_distributed
+from reflow.distributed import build_trainer_layouts, exit_ranks, init_distributed
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.trainer.batch import pack
 from reflow.trainer.policy import PolicyTrainer
@@ -48,5 +47,4 @@ report = {
 }
 with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
     json.dump(report, f)
-dist.barrier()
-dist.destroy_process_group()  # gloo's threads end here, not in the interpreter's exit (an abort there)
+exit_ranks()

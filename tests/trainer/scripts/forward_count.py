@@ -5,10 +5,9 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 from reflow.config.job_config import JobConfig
-from reflow.distributed import build_trainer_layouts, init_distributed
+from reflow.distributed import build_trainer_layouts, exit_ranks, init_distributed
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.trainer.batch import pack
 from reflow.trainer.policy import PolicyTrainer
@@ -34,5 +33,4 @@ for minibatches in (1, 2):
     report[str(minibatches)] = {"forwards": len(calls), "clip_fraction": stats.clip_fraction, "loss": stats.loss}
 with open(sys.argv[1], "w") as f:
     json.dump(report, f)
-dist.barrier()
-dist.destroy_process_group()  # gloo's threads end here, not in the interpreter's exit (an abort there)
+exit_ranks()

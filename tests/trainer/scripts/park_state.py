@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from reflow.config.job_config import JobConfig
-from reflow.distributed import build_trainer_layouts, init_distributed
+from reflow.distributed import build_trainer_layouts, exit_ranks, init_distributed
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.trainer.batch import pack
 from reflow.trainer.elastic import shard_tensors
@@ -70,5 +70,4 @@ report = {"bitwise_equal": bool(flags.item()), "freed": freed, "restored": resto
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f)
-dist.barrier()
-dist.destroy_process_group()  # gloo's threads end here, not in the interpreter's exit (an abort there)
+exit_ranks()

@@ -9,13 +9,12 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
 import reflow.trainer.parallelize as parallelize
 from reflow.config.job_config import JobConfig
-from reflow.distributed import build_trainer_layouts, init_distributed
+from reflow.distributed import build_trainer_layouts, exit_ranks, init_distributed
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.trainer.batch import pack
 from reflow.trainer.policy import PolicyTrainer
@@ -78,4 +77,4 @@ report["recompile_limit"] = int(torch._dynamo.config.recompile_limit)
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f)
-dist.barrier()
+exit_ranks()
