@@ -20,6 +20,7 @@ def _serve(conn: Connection) -> None:
     """The child: (completion, reference) in, 1.0 or 0.0 out, until the pipe closes."""
     from math_verify import parse, verify
 
+    conn.send("ready")
     while True:
         try:
             completion, reference = conn.recv()
@@ -35,6 +36,9 @@ def _serve(conn: Connection) -> None:
 
 class MathVerifier:
     """``score(completion, reference)``: 1.0 when the completion's answer is equivalent to the reference."""
+
+    START_TIMEOUT_S = 120.0
+    """How long a new child may take to import math-verify (SymPy) on a loaded host; not the scoring budget."""
 
     def __init__(self, timeout_s: float = 5.0):
         if timeout_s <= 0:
@@ -53,6 +57,11 @@ class MathVerifier:
         self._process.start()
         child.close()
         self._conn = parent
+        # the timeout bounds scoring, not the child's start: wait for it to be ready (a spawn re-imports
+        # the parent's main module, which can take seconds on a host busy with ranks)
+        if not parent.poll(self.START_TIMEOUT_S) or parent.recv() != "ready":
+            self.close()
+            raise RuntimeError(f"the math-verify child process did not start within {self.START_TIMEOUT_S:.0f} s")
 
     def score(self, completion: str, reference: str) -> float:
         with self._lock:  # one child, one pipe: callers on several threads (multi-turn scoring) take turns
