@@ -150,7 +150,7 @@ class RolloutEngine:
         return SamplingParams(
             temperature=r.temperature if req.temperature is None else req.temperature,
             top_p=r.top_p if req.top_p is None else req.top_p,
-            max_tokens=req.max_tokens - len(req.output_ids),
+            max_tokens=req.generation_limit - len(req.output_ids),
             logprobs=0,
             # the request's own seed, advanced by the tokens it has: a held partial rollout resumes with a fresh
             # but reproducible stream
@@ -168,7 +168,7 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
-        if req.max_tokens - len(req.output_ids) <= 0:
+        if req.generation_limit - len(req.output_ids) <= 0:
             raise ValueError(f"request {req.request_id} has no tokens left to generate")
         if self.mirror is not None:
             self.mirror.record_add(req)
@@ -233,6 +233,17 @@ class RolloutEngine:
             self.engine.abort_request(list(self.active))
             self.active.clear()
         return held
+
+    def abort(self, request_id: str) -> "Request | None":
+        """Stop request ``request_id`` alone, its KV freed and its tokens kept (an agent episode that failed or
+        was dropped); returns it, or None if it was not in flight."""
+        engine_ids = [engine_id for engine_id, active in self.active.items() if active.request_id == request_id]
+        if not engine_ids:
+            return None
+        if self.mirror is not None:
+            self.mirror.record_abort(request_id)
+        self.engine.abort_request(engine_ids)
+        return [self.active.pop(engine_id) for engine_id in engine_ids][0]
 
     def generate(self, requests: Iterable[Request]) -> list[Request]:
         """Run requests to completion (the synchronous path)."""

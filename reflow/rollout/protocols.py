@@ -23,7 +23,8 @@ class Engine(Protocol):
 
     ``add`` queues a request (one with output already resumes from its prefix); ``step`` runs one engine step
     (``decode_steps`` decode steps: 1 live, a few in the simulator) and returns the requests that finished;
-    ``hold_all`` stops every request in flight keeping its tokens, ``resume`` puts held ones back;
+    ``hold_all`` stops every request in flight keeping its tokens, ``resume`` puts held ones back, ``abort``
+    stops one (its tokens kept);
     ``load_weights`` replaces the weights (every later token carries ``version``); ``signals`` are the KV
     cache's after the latest step."""
 
@@ -47,6 +48,8 @@ class Engine(Protocol):
     def step_until_started(self) -> "list[Request]": ...
 
     def hold_all(self) -> "list[Request]": ...
+
+    def abort(self, request_id: str) -> "Request | None": ...
 
     def resume(self, held: "Iterable[Request]") -> None: ...
 

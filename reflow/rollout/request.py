@@ -20,6 +20,9 @@ class Request:
     stop: tuple[str, ...] = ()
     """Strings that end a model turn (a multi-turn task's tool call, a served request's ``stop``); the string is
     kept in the output."""
+    turn_end: int | None = None
+    """Where the current model turn must end, as a length of ``output_ids`` (an agent's call's ``max_tokens``:
+    ``reflow.serving.agents``); None: at ``max_tokens``, the trajectory's own limit."""
     temperature: float | None = None
     top_p: float | None = None
     """Sampling settings of this request alone (a served request's); None: the run's [rollout] settings, the
@@ -53,6 +56,11 @@ class Request:
             self.model_spans[-1][1] = len(self.output_ids)
         elif token_ids:
             self.model_spans.append([start, len(self.output_ids)])
+
+    @property
+    def generation_limit(self) -> int:
+        """The length of ``output_ids`` at which the engine stops this request (its turn's end, or its own)."""
+        return self.max_tokens if self.turn_end is None else min(self.turn_end, self.max_tokens)
 
     def append_environment_tokens(self, token_ids: list[int]) -> None:
         self.output_ids.extend(token_ids)

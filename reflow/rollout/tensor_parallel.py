@@ -49,6 +49,9 @@ class EngineMirror:
             req, meta={}, output_ids=list(req.output_ids), logprobs=[], versions=[], model_spans=[],
         )))
 
+    def record_abort(self, request_id: str) -> None:
+        self.pending.append(("abort", request_id))
+
     def record_hold_all(self) -> None:
         self.pending.append(("hold_all",))
 
@@ -86,6 +89,8 @@ class ReplayedEngine(Protocol):
 
     def hold_all(self) -> list: ...
 
+    def abort(self, request_id: str): ...
+
     def step(self) -> list: ...
 
 
@@ -98,6 +103,8 @@ def follow(engine: ReplayedEngine, mirror: EngineMirror, weight_sync) -> Any:
                 engine.add(call[1])
             elif kind == "hold_all":
                 engine.hold_all()
+            elif kind == "abort":
+                engine.abort(call[1])
             elif kind == "step":
                 engine.step()
             elif kind == "sync":

@@ -167,6 +167,15 @@ class SimEngine:
         self.active = {}
         return held
 
+    def abort(self, request_id: str) -> Request | None:
+        """Stop one request, keeping its tokens (``RolloutEngine.abort``)."""
+        req = self.active.pop(request_id, None)
+        if req is not None:
+            seq = trajectory(req)
+            self.running, self.waiting, self.in_tool = (
+                [s for s in queue if s is not seq] for queue in (self.running, self.waiting, self.in_tool))
+        return req
+
     def load_weights(self, named_tensors, version: int) -> float:
         """A weight sync (nothing is in flight: the worker held it): later tokens carry ``version``."""
         self.version = version
