@@ -25,6 +25,12 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> 
                                               **kwargs))
 
 
+def render_text(tokenizer, messages: list[dict], tools: list[dict] | None = None, generation_prompt: bool = True) -> str:
+    """The text of ``messages`` under the chat template (with the assistant's opening when ``generation_prompt``)."""
+    kwargs = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs)
+
+
 def assistant_message(text: str) -> dict:
     """The assistant message of a completion's ``text``: its content and the tool calls it made (OpenAI's
     shapes: each call's arguments a JSON string)."""

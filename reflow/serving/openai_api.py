@@ -1,8 +1,14 @@
-"""An OpenAI-compatible HTTP API over an ``EngineLoop``: ``/v1/models``, ``/v1/completions`` and
+"""An OpenAI-compatible HTTP API over a generation backend: ``/v1/models``, ``/v1/completions`` and
 ``/v1/chat/completions``, in OpenAI's request and response shapes (FastAPI; the server is
 ``reflow.serving.server``).
 
-    app = build_app(ServedModel(loop, tokenizer, "tiny", max_model_len=256), api_key="...")
+    app = build_app(ServedModel(loop, tokenizer, "tiny", max_model_len=256), api_key="...")   # a checkpoint
+    app = build_app(agent_endpoint, api_key="...")          # agent episodes of a run (reflow.serving.agents)
+
+The API parses and checks a call into a ``Call`` (the prompt's tokens, and the messages or text they came
+from) and asks its backend for the completions: ``ServedModel`` samples them on an ``EngineLoop``; a run's
+``AgentEndpoint`` adds them to an agent episode's trajectory. Each backend is served under its routes: a
+checkpoint at ``/v1/...``, an episode at ``/episodes/<episode>/v1/...`` (the base URL its agent's client has).
 
 Every request needs ``Authorization: Bearer <api_key>``. A malformed request, an unknown model, a prompt that
 does not fit the context or an option this server does not serve (streaming, alternatives' log-probs)
@@ -26,6 +32,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,13 +48,75 @@ from reflow.serving.engine_loop import EngineLoop
 
 
 @dataclass
-class ServedModel:
-    loop: EngineLoop
+class Call:
+    """One API call's generation, parsed and checked."""
+
+    prompt_ids: list[int]
+    """The prompt's tokens: the rendered messages, the encoded text, or the token ids sent."""
+    max_tokens: int | None
+    """Tokens to generate at most (checked >= 1); None: as many as fit."""
+    max_tokens_param: str
+    """The request field that set it (for errors)."""
+    n: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    seed: int | None
+    messages: list[dict] | None = None
+    """A chat call's messages (and ``tools``); None for a completion."""
+    tools: list[dict] | None = None
+    text: str | None = None
+    """A completion's text prompt; None for token ids or a chat call."""
+
+
+@dataclass
+class Completion:
+    """One sampled completion of a call: the prompt its tokens continue, and its tokens."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+class Backend(Protocol):
+    name: str
+    max_model_len: int
     tokenizer: PromptTokenizer
     """The model's tokenizer as training uses it (a text prompt gets BOS first); ``.tok``, the Hugging Face one,
     has the chat template."""
+
+    async def generate(self, route: str | None, call: Call) -> list[Completion]:
+        """``call.n`` completions of ``call`` under ``route`` (None: ``/v1``; else ``/episodes/<route>/v1``), in
+        order; raises ``OpenAIError`` for what it cannot serve."""
+        ...
+
+
+@dataclass
+class ServedModel:
+    """A checkpoint served at ``/v1`` on its ``EngineLoop``: each call's completions sampled independently."""
+
+    loop: EngineLoop
+    tokenizer: PromptTokenizer
     name: str
     max_model_len: int
+
+    async def generate(self, route: str | None, call: Call) -> list[Completion]:
+        if route is not None:
+            raise OpenAIError(404, "this server serves the model at /v1 only", None, "not_found")
+        limit = check_max_tokens(call, len(call.prompt_ids), self.max_model_len)
+        seed = call.seed if call.seed is not None else secrets.randbelow(2**31)
+        base = uuid.uuid4().hex
+        futures = [
+            self.loop.submit(EngineRequest(
+                f"api-{base}-{k}", list(call.prompt_ids), limit, seed=seed + k, stop=call.stop,
+                temperature=call.temperature, top_p=call.top_p,
+            ))
+            for k in range(call.n)
+        ]
+        done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        return [Completion(list(call.prompt_ids), r.output_ids, r.logprobs, r.finish_reason, r.stop_reason) for r in done]
 
 
 class OpenAIError(Exception):
@@ -104,7 +173,7 @@ UNSERVED = {
 """Options this server does not serve, and when a value asks for them: refused rather than ignored."""
 
 
-def _check_sampling(body: _Sampling, model: ServedModel) -> None:
+def _check_sampling(body: _Sampling, model: Backend) -> None:
     """Refuse what cannot be served, then fill in the defaults of what was null."""
     if body.model != model.name:
         raise OpenAIError(404, f"The model `{body.model}` does not exist; this server serves `{model.name}`", "model",
@@ -130,37 +199,29 @@ def _check_sampling(body: _Sampling, model: ServedModel) -> None:
         raise OpenAIError(400, "stop: up to 4 strings, none of them empty", "stop")
 
 
-def _max_tokens(requested: int | None, prompt_len: int, model: ServedModel, param: str, prompt_param: str) -> int:
-    room = model.max_model_len - prompt_len
+def check_max_tokens(call: Call, prompt_len: int, max_model_len: int) -> int:
+    """The tokens ``call`` may generate after a prompt of ``prompt_len`` tokens in a context of ``max_model_len``."""
+    room = max_model_len - prompt_len
+    param = "messages" if call.messages is not None else "prompt"
     if room <= 0:
-        raise OpenAIError(400, f"the prompt has {prompt_len} tokens; this model's context is {model.max_model_len}",
-                          prompt_param, "context_length_exceeded")
-    if requested is None:
+        raise OpenAIError(400, f"the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
+                          param, "context_length_exceeded")
+    if call.max_tokens is None:
         return room
-    if requested < 1:
+    if call.max_tokens > room:
+        raise OpenAIError(400, f"{call.max_tokens_param} = {call.max_tokens} does not fit: the prompt has {prompt_len} "
+                          f"tokens and the context {max_model_len}", call.max_tokens_param, "context_length_exceeded")
+    return call.max_tokens
+
+
+def _call(body: _Sampling, prompt_ids: list[int], requested: int | None, param: str, **source) -> Call:
+    if requested is not None and requested < 1:
         raise OpenAIError(400, f"{param} must be at least 1, got {requested}", param)
-    if requested > room:
-        raise OpenAIError(400, f"{param} = {requested} does not fit: the prompt has {prompt_len} tokens and the "
-                          f"context {model.max_model_len}", param, "context_length_exceeded")
-    return requested
-
-
-async def _generate(model: ServedModel, prompt_ids: list[int], body: _Sampling, max_tokens: int) -> list[EngineRequest]:
-    """``body.n`` completions of ``prompt_ids`` through the engine loop, in order."""
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-    base = uuid.uuid4().hex
-    futures = [
-        model.loop.submit(EngineRequest(
-            f"api-{base}-{k}", list(prompt_ids), max_tokens, seed=seed + k, stop=stop, temperature=body.temperature,
-            top_p=body.top_p,
-        ))
-        for k in range(body.n)
-    ]
-    return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+    return Call(prompt_ids, requested, param, body.n, body.temperature, body.top_p, stop, body.seed, **source)
 
 
-def _text(model: ServedModel, done: EngineRequest) -> str:
+def _text(model: Backend, done: Completion) -> str:
     """The completion's text, up to its stop string (vLLM stops at the first match, inside the last token: the
     text leaves it and whatever that token held after it out; ``token_ids`` keep every token)."""
     text = model.tokenizer.tok.decode(done.output_ids, skip_special_tokens=True)
@@ -169,19 +230,20 @@ def _text(model: ServedModel, done: EngineRequest) -> str:
     return text
 
 
-def _token_texts(model: ServedModel, ids: list[int]) -> list[str]:
+def _token_texts(model: Backend, ids: list[int]) -> list[str]:
     """Each token's own text (a byte-level token's decoded form, not its vocabulary spelling; "" for an id the
     tokenizer does not know)."""
     known = len(model.tokenizer.tok)
     return [model.tokenizer.tok.decode([i]) if i < known else "" for i in ids]
 
 
-def _usage(prompt_ids: list[int], done: list[EngineRequest]) -> dict:
+def _usage(done: list[Completion]) -> dict:
+    prompt = len(done[0].prompt_ids) if done else 0
     completion = sum(len(r.output_ids) for r in done)
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion, "total_tokens": len(prompt_ids) + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def build_app(model: ServedModel, api_key: str) -> FastAPI:
+def build_app(model: Backend, api_key: str) -> FastAPI:
     app = FastAPI(title="ReFlow OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(OpenAIError)
@@ -211,11 +273,13 @@ def build_app(model: ServedModel, api_key: str) -> FastAPI:
         return await call_next(request)
 
     @app.get("/v1/models")
-    async def models():
+    @app.get("/episodes/{route}/v1/models")
+    async def models(route: str | None = None):
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "reflow"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    @app.post("/episodes/{route}/v1/completions")
+    async def completions(body: CompletionBody, route: str | None = None):
         _check_sampling(body, model)
         if body.logprobs is not None and body.logprobs > 1:
             raise OpenAIError(400, "logprobs: this server reports the sampled token's log-probability only (0 or 1)",
@@ -226,8 +290,9 @@ def build_app(model: ServedModel, api_key: str) -> FastAPI:
         vocabulary = len(model.tokenizer.tok)
         if any(not 0 <= i < vocabulary for i in prompt_ids):
             raise OpenAIError(400, f"prompt: token ids must be in [0, {vocabulary})", "prompt")
-        limit = _max_tokens(body.max_tokens, len(prompt_ids), model, "max_tokens", "prompt")
-        done = await _generate(model, prompt_ids, body, limit)
+        call = _call(body, prompt_ids, body.max_tokens, "max_tokens",
+                     text=body.prompt if isinstance(body.prompt, str) else None)
+        done = await model.generate(route, call)
         choices = []
         for index, r in enumerate(done):
             logprobs = None
@@ -236,13 +301,15 @@ def build_app(model: ServedModel, api_key: str) -> FastAPI:
                 logprobs = {"tokens": tokens, "token_logprobs": list(r.logprobs),
                             "top_logprobs": [{t: lp} for t, lp in zip(tokens, r.logprobs)], "text_offset": None}
             choices.append({"index": index, "text": _text(model, r), "logprobs": logprobs,
-                            "finish_reason": r.finish_reason, "token_ids": list(r.output_ids)})
+                            "finish_reason": r.finish_reason, "stop_reason": r.stop_reason,
+                            "token_ids": list(r.output_ids)})
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model.name, "choices": choices, "usage": _usage(prompt_ids, done),
-                "prompt_token_ids": prompt_ids}
+                "model": model.name, "choices": choices, "usage": _usage(done),
+                "prompt_token_ids": done[0].prompt_ids}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
+    @app.post("/episodes/{route}/v1/chat/completions")
+    async def chat_completions(body: ChatBody, route: str | None = None):
         _check_sampling(body, model)
         if body.top_logprobs:
             raise OpenAIError(400, "top_logprobs: this server reports the sampled token's log-probability only",
@@ -257,7 +324,8 @@ def build_app(model: ServedModel, api_key: str) -> FastAPI:
             raise OpenAIError(400, f"messages: {error}", "messages") from error
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        done = await _generate(model, prompt_ids, body, _max_tokens(requested, len(prompt_ids), model, param, "messages"))
+        done = await model.generate(route, _call(body, prompt_ids, requested, param, messages=body.messages,
+                                                 tools=body.tools))
         choices = []
         for index, r in enumerate(done):
             message = assistant_message(_text(model, r))
@@ -268,9 +336,9 @@ def build_app(model: ServedModel, api_key: str) -> FastAPI:
                 logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                                         for t, lp in zip(tokens, r.logprobs)]}
             choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                            "token_ids": list(r.output_ids)})
+                            "stop_reason": r.stop_reason, "token_ids": list(r.output_ids)})
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model.name, "choices": choices, "usage": _usage(prompt_ids, done),
-                "prompt_token_ids": prompt_ids}
+                "model": model.name, "choices": choices, "usage": _usage(done),
+                "prompt_token_ids": done[0].prompt_ids}
 
     return app
