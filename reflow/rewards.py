@@ -41,7 +41,9 @@ class RewardMix:
         """From ``reward`` (a ``RewardSection``); an unknown function name is a ValueError naming the key."""
         offered = available_functions(task)
         unknown = [name for name in section.functions if name not in offered]
-        if unknown:
+        if task.name == "agent":  # its agent returns the rewards by name (``combine``); none is computed here
+            offered = {name: offered.get(name, task.reward) for name in section.functions}
+        elif unknown:
             raise ValueError(
                 f"reward.functions: {', '.join(map(repr, unknown))} not offered by task {task.name!r} "
                 f"(it offers: {', '.join(offered)})"
@@ -62,6 +64,20 @@ class RewardMix:
         ``response_tokens``: every token of the response, the environment's included, as the length cap
         (rollout.max_new_tokens) counts them."""
         parts = {name: float(function(problem, response)) for name, function in self.functions.items()}
+        total = sum(self.weights[name] * value for name, value in parts.items())
+        if self.overlong_buffer > 0:
+            parts["overlong"] = self.overlong_scale * overlong_penalty(response_tokens, self.max_tokens, self.overlong_buffer)
+            total += parts["overlong"]
+        return total, parts
+
+
+    def combine(self, values: dict[str, float], response_tokens: int) -> tuple[float, dict[str, float]]:
+        """``score`` for rewards computed elsewhere (an agent's, by name): every function of the mix must be in
+        ``values`` (a ValueError names the missing ones)."""
+        missing = [name for name in self.functions if name not in values]
+        if missing:
+            raise ValueError(f"reward.functions {missing} missing from the rewards {sorted(values)}")
+        parts = {name: float(values[name]) for name in self.functions}
         total = sum(self.weights[name] * value for name, value in parts.items())
         if self.overlong_buffer > 0:
             parts["overlong"] = self.overlong_scale * overlong_penalty(response_tokens, self.max_tokens, self.overlong_buffer)

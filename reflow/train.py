@@ -197,8 +197,12 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
 
     hf_dir = resolve_hf_dir(cfg, recipe, where)
     check_hf_dir(hf_dir, hf_checkpoint_key(cfg, recipe, where))
+    try:  # (an agent task imports its agent here: a bad task.agent is named before any rank starts)
+        task = build_task(cfg.task)
+    except ValueError as error:
+        raise ValueError(f"{where('task.agent' if cfg.task.name == 'agent' else 'task.name')}: {error}") from None
     try:
-        RewardMix.build(build_task(cfg.task), cfg.reward, cfg.rollout.max_new_tokens)
+        RewardMix.build(task, cfg.reward, cfg.rollout.max_new_tokens)
     except ValueError as error:
         raise ValueError(f"{where('reward.functions')}: {error}") from None
     train_problems = load_problems(resolve_path(cfg.task.train_file), f"{where('task.train_file')}: task.train_file")
@@ -233,7 +237,7 @@ def build_components(
     from reflow.rewards import RewardMix
     from reflow.rollout.engine import RolloutEngine
     from reflow.rollout.tokenizer import PromptTokenizer
-    from reflow.rollout.turns import TurnDriver
+    from reflow.serving.drivers import AgentServing, new_driver
     from reflow.tasks import build_task
     from reflow.trainer.policy import PolicyTrainer
     from reflow.weight_sync import WeightSync, build_sync_plan
@@ -310,6 +314,7 @@ def build_components(
     weight_sync = weight_syncs[placement.replicate_degree]
     # 6. the rest
     tokenizer = PromptTokenizer(hf_dir, cfg.task.chat)
+    agents = AgentServing.start(task, tokenizer, recipe.name, cfg.rollout)  # an agent task: this rank's endpoint
     return Components(
         cfg=cfg,
         rank=rank,
@@ -319,7 +324,8 @@ def build_components(
         trainer=trainer,
         trainer_group=trainer_group,
         engine=engine,
-        turns=TurnDriver(engine, task, tokenizer, cfg.task.tool_workers, rewards),
+        turns=new_driver(engine, task, tokenizer, cfg.task.tool_workers, rewards, agents),
+        agents=agents,
         weight_sync=weight_sync,
         task=task,
         rewards=rewards,
@@ -410,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         parts.logger.info(f"exported the policy in Hugging Face format to {out}")
     parts.logger.close()
     parts.timeline.close()
+    if parts.agents is not None:  # the endpoint's server and the agents' loop (no episode is left by now)
+        parts.agents.close()
     dist.barrier()
     # vLLM's exit hook tears down its own process groups; it needs the default group alive then
     return code

@@ -78,6 +78,11 @@ NEXT_STAGES: dict[SampleStage, frozenset[SampleStage]] = {
 """The moves a sample may make: what the roles do to it, and nothing else (a test walks them)."""
 
 
+AGENT_FAILURES = ("error", "timeout", "turn_budget", "token_budget", "diverged", "bad_reward")
+"""Causes of a failed agent episode (``reflow.serving.agents``), as ``Sample.agent_failure`` and the metrics
+(``agent_<cause>``) name them."""
+
+
 @dataclass
 class Sample:
     """One finished trajectory: what the trainer needs, plus the replay bookkeeping."""
@@ -99,6 +104,10 @@ class Sample:
     tool_calls: int = 0
     tool_s: float = 0.0
     """Seconds the trajectory waited on its environment."""
+    agent_failure: str = ""
+    """An agent episode that failed: its cause (one of ``AGENT_FAILURES``); "": none."""
+    token_mismatches: int = 0
+    """An agent episode's calls whose prompt did not extend its sampled tokens (``reflow.serving.agents``)."""
     origin: int = -1
     """Index of the rollout worker whose dispatch budget it counts against (-1: none, as after a resume or a
     placement change, whose budgets start afresh)."""

@@ -23,7 +23,7 @@ def evaluate(config: str, hf_dir: str, num_prompts: int, samples: int, seed: int
     from reflow.rollout.groups import make_group_requests
     from reflow.rollout.scoring import score
     from reflow.rollout.tokenizer import PromptTokenizer
-    from reflow.rollout.turns import TurnDriver
+    from reflow.serving.drivers import AgentServing, new_driver
     from reflow.tasks import build_task, load_problems
 
     cfg = ConfigManager().parse_args(["--config", config, *overrides])
@@ -39,7 +39,10 @@ def evaluate(config: str, hf_dir: str, num_prompts: int, samples: int, seed: int
         r for i, p in enumerate(problems)
         for r in make_group_requests(p, i, task, tok, samples, cfg.rollout.max_new_tokens, seed, 0)
     ]
-    done = score(TurnDriver(engine, task, tok, cfg.task.tool_workers).generate(requests), task, tok)
+    agents = AgentServing.start(task, tok, recipe.name, cfg.rollout)
+    done = score(new_driver(engine, task, tok, cfg.task.tool_workers, agents=agents).generate(requests), task, tok)
+    if agents is not None:
+        agents.close()
     rewards = [s.reward for s in done]
     return {
         "config": config,

@@ -415,7 +415,14 @@ class TaskSection:
     """retool, coding_agent: the instructions put before each problem (a system message for chat rows); "": the
     task's own (how to call the interpreter, how to submit a program)."""
     max_turns: int = 4
-    """Multi-turn tasks: environment answers per trajectory (tool calls; the coding agent's tested programs)."""
+    """Multi-turn tasks: environment answers per trajectory (tool calls; the coding agent's tested programs); an
+    agent task: calls per episode."""
+    agent: str = ""
+    """task.name = 'agent': the agent, as 'module:function' (an async function (client, row) -> reward that
+    talks to the policy through an openai.AsyncOpenAI client: docs/agents.md)."""
+    agent_timeout_s: float = limited(300.0, gt=0)
+    """task.name = 'agent': wall-clock seconds one episode may take, engine time included; past it the episode
+    ends as a failure (reward 0, agent_failure 'timeout')."""
     sandbox_wall_s: float = 10.0
     """Sandboxed code (retool, coding_agent): wall-clock seconds per run."""
     sandbox_cpu_s: float = 5.0

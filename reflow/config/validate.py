@@ -66,6 +66,20 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
     if cfg.checkpoint.load_step >= 0 and not cfg.checkpoint.enable:
         fail("checkpoint.load_step", f"= {cfg.checkpoint.load_step} needs checkpoint.enable = true")
     _validate_scheduler(cfg, fail)
+    _validate_agent(cfg, fail)
+
+
+def _validate_agent(cfg: JobConfig, fail) -> None:
+    task = cfg.task
+    if task.agent and task.name != "agent":
+        fail("task.agent", f"is read by task.name = 'agent' only (task.name = {task.name!r})")
+    if task.name != "agent":
+        return
+    if not task.agent:
+        fail("task.agent", "must name the agent as 'module:function' (docs/agents.md)")
+    if cfg.scheduler.adaptive_placement or cfg.placement.schedule:
+        fail("task.name", "= 'agent' runs its episodes on the rank that started them: it needs a fixed placement "
+             "(scheduler.adaptive_placement = false, no placement.schedule)")
 
 
 def _validate_scheduler(cfg: JobConfig, fail) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,11 +23,16 @@ from reflow.rollout.engine import RolloutEngine
 from reflow.rollout.groups import evaluate_share
 from reflow.rollout.tokenizer import PromptTokenizer
 from reflow.rollout.turns import TurnDriver
+from reflow.serving.drivers import AgentServing
 from reflow.stopping import NonFiniteGuard, StopSignals
 from reflow.tasks.base import Problem, Task
 from reflow.trainer.policy import PolicyTrainer, StepStats
+from reflow.types import AGENT_FAILURES as FAILURES
 from reflow.types import ENGINE_WINDOW_KEYS, Sample, WorkerStats
 from reflow.weight_sync.broadcast import WeightSync
+
+if TYPE_CHECKING:
+    from reflow.serving.agents import AgentDriver
 
 
 @dataclass
@@ -41,7 +47,7 @@ class Components:
     trainer: PolicyTrainer | None
     trainer_group: object
     engine: RolloutEngine
-    turns: TurnDriver
+    turns: "TurnDriver | AgentDriver"
     """Runs requests through the engine and, for a multi-turn task, its environment between model turns."""
     weight_sync: WeightSync
     """The weight sync of the starting placement."""
@@ -61,6 +67,8 @@ class Components:
     """The weight sync of every feasible placement, by trainer replica count."""
     schedule: list
     """Forced placement changes: (after step, trainer replicas), from placement.schedule."""
+    agents: AgentServing | None = None
+    """An agent task's endpoint and agent loop on this rank (``reflow.serving.drivers``)."""
 
 
 class StepTimer:
@@ -296,6 +304,7 @@ class ModeBase:
                 raise RuntimeError(f"sample {s.uid} trained at staleness {age}, outside [0, {self.max_staleness}]")
             staleness[age] += 1
         rewards = [s.reward for s in samples]
+        agents = self.parts.cfg.task.name == "agent"
         part_names = self.parts.rewards.part_names
         summed = reduce_stats({
             **{f"reward_{name}": sum((s.reward_parts or {}).get(name, 0.0) for s in samples) for name in part_names},
@@ -311,6 +320,9 @@ class ModeBase:
             "tool_s": sum(s.tool_s for s in samples),
             "env_tokens": sum(len(s.output_ids) - len(s.logprobs) for s in samples),
             "staleness": staleness,
+            **({f"agent_{cause}": sum(1 for s in samples if s.agent_failure == cause) for cause in FAILURES}
+               if agents else {}),
+            **({"token_mismatches": sum(s.token_mismatches for s in samples)} if agents else {}),
             **({key: getattr(engine_window, field) for key, field in ENGINE_WINDOW_KEYS.items()} if engine_window else {}),
         }, self.trainer_group)
         longest = reduce_stats(
@@ -353,6 +365,9 @@ class ModeBase:
                 if engine_window else 0.0
             ),
             **stats.as_row(),
+            **({"agent_failed_frac": sum(summed[f"agent_{cause}"] for cause in FAILURES) / n,
+                **{f"agent_{cause}": int(summed[f"agent_{cause}"]) for cause in FAILURES},
+                "token_mismatches_mean": summed["token_mismatches"] / n} if agents else {}),
             **{f"reward_{name}_mean": summed[f"reward_{name}"] / n for name in part_names},
             **{key: summed[key] if key == "rollout_busy_s" else int(summed[key]) for key in ENGINE_WINDOW_KEYS if key in summed},
         }

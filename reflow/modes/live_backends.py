@@ -36,8 +36,8 @@ from reflow.replay.buffer import BatchPlan
 from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.groups import PromptGroups, evaluate_share
 from reflow.rollout.scoring import TaskScorer
-from reflow.rollout.turns import TurnDriver
 from reflow.scheduler import DispatchBudget
+from reflow.serving.drivers import new_driver
 from reflow.trainer.batch import mask_stale_tokens, to_batch
 from reflow.types import Flush, Handover, Moved, Sample, SyncWeights
 
@@ -177,7 +177,7 @@ def live_rollout_worker(
         settings.dispatch, index, num_rollout, training.group_size, start_step=step, dealt=cfg.scheduler.kv_admission,
     )
     # evaluation runs on a driver of its own: trajectories of the run waiting on a tool stay in ``parts.turns``
-    eval_turns = TurnDriver(parts.engine, parts.task, parts.tokenizer, cfg.task.tool_workers)
+    eval_turns = new_driver(parts.engine, parts.task, parts.tokenizer, cfg.task.tool_workers, agents=parts.agents)
 
     def evaluate(version: int) -> tuple[float, int]:
         return evaluate_share(parts, eval_turns, cfg.metrics.eval_num_prompts, index, num_rollout)

@@ -49,9 +49,12 @@ def score(requests: list[Request], task: Task, tok: PromptTokenizer, rewards: "R
                 reward=r.reward,
                 reward_parts=r.reward_parts,
                 finish_reason=r.finish_reason,
-                model_spans=r.model_spans if task.environment is not None else None,
+                # (spans only where the environment added tokens: every token of a single-turn response is the model's)
+                model_spans=r.model_spans if len(r.logprobs) < len(r.output_ids) else None,
                 tool_calls=r.tool_calls,
                 tool_s=r.tool_s,
+                agent_failure=r.meta.get("agent_failure", ""),
+                token_mismatches=r.meta.get("token_mismatches", 0),
             )
         )
     return out

@@ -58,6 +58,12 @@ def _retool(section):
     return ReToolTask(_sandbox(section), section.max_turns, section.reward_timeout_s, section.instructions)
 
 
+def _agent(section):
+    from reflow.tasks.agent import AgentTask
+
+    return AgentTask(section.agent, section.agent_timeout_s, section.max_turns)
+
+
 def _coding_agent(section):
     from reflow.tasks.coding import CodingAgentTask
 
@@ -71,6 +77,7 @@ TASKS: dict[str, Callable[["TaskSection"], Task]] = {
     "math": _math,
     "retool": _retool,
     "coding_agent": _coding_agent,
+    "agent": _agent,
 }
 """Each task built from the [task] section (timeouts, turn limit, sandbox limits)."""
 

@@ -182,3 +182,36 @@ def test_check_without_torchrun_takes_the_world_the_placement_plans(tmp_path, ca
     elastic = os.path.join(ROOT, "train_configs", "tiny_elastic.toml")
     assert main(["--check", "--config", elastic, f"--job.dump_folder={tmp_path}/run"]) == 0
     assert "OK for 4 ranks" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- agent tasks
+
+AGENT = os.path.join(ROOT, "train_configs", "tiny_agent.toml")
+
+
+def test_the_agent_config_passes(tmp_path, capsys, monkeypatch):
+    code, lines = check(capsys, monkeypatch, ["--config", AGENT, f"--job.dump_folder={tmp_path}/run"])
+    assert code == 0, lines
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("--task.agent=", "must name the agent as 'module:function'"),
+        ("--task.agent=no_colon", "write it as 'module:function'"),
+        ("--task.agent=reflow.no_such_module:solve", "cannot import 'reflow.no_such_module'"),
+        ("--task.agent=reflow.examples.calculator_agent:nothing", "has no 'nothing'"),
+        ("--task.agent=reflow.examples.calculator_agent:calculator", "must be an async function"),
+    ],
+    ids=["empty", "no-colon", "no-module", "no-function", "not-async"],
+)
+def test_a_bad_agent_is_named_before_ranks_start(tmp_path, capsys, monkeypatch, override, expected):
+    one_error(capsys, monkeypatch, ["--config", AGENT, override, f"--job.dump_folder={tmp_path}/run"], "task.agent",
+              expected)
+
+
+def test_an_agent_with_a_built_in_task_or_a_moving_placement(tmp_path, capsys, monkeypatch):
+    one_error(capsys, monkeypatch, ["--config", AGENT, "--task.name=chain_sum_calculator",
+                                    f"--job.dump_folder={tmp_path}/run"], "'task.agent'", "task.name = 'agent' only")
+    one_error(capsys, monkeypatch, ["--config", AGENT, "--scheduler.adaptive_placement=true",
+                                    f"--job.dump_folder={tmp_path}/run"], "'task.name'", "fixed placement")

@@ -1,0 +1,1 @@
+"""Example agents for ``task.name = 'agent'`` (docs/agents.md)."""
