@@ -217,6 +217,12 @@ class AgentDriver:
         return len(self.episodes)
 
     @property
+    def waiting(self) -> dict[str, Request]:
+        """The trajectories out of the engine while their agent holds the turn (admission counts them in flight,
+        as it counts a ``TurnDriver``'s trajectories at their tool)."""
+        return {e.route: e.request for e in self.episodes.values() if e.turn is None}
+
+    @property
     def num_waiting_on_tools(self) -> int:
         """Episodes whose agent holds the turn (between two calls)."""
         return sum(1 for e in self.episodes.values() if e.turn is None)
