@@ -1,11 +1,12 @@
 """An agent task trains under torchrun (``train_configs/tiny_agent.toml``: the example calculator agent through
 each rank's endpoint): in reflow mode with a checkpoint taken while episodes are in flight and a resume that
-loses and repeats nothing, and in sync mode (the agent driver serves every mode's rollout loop)."""
+loses and repeats nothing, and in sync and one_step_off mode (the agent driver serves every mode's rollout loop)."""
 
 import glob
 import json
 import os
 
+import pytest
 import torch
 
 from tests.conftest import run_torchrun
@@ -65,11 +66,15 @@ def test_reflow_agent_run_resumes_with_episodes_in_flight(tmp_path):
     assert set(range(stream["frontier"])) <= delivered_first | set(stream["holes"])
 
 
-def test_sync_agent_run(tmp_path):
-    dump = str(tmp_path / "sync")
-    run_torchrun(2, _args(dump, 2, "--training.mode=sync", "--placement.num_rollout_ranks=0",
-                          "--placement.trainer_replicate_degree=2",
-                          "--checkpoint.export_hf=false"))
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_agent_run_in_the_other_modes(tmp_path, mode):
+    """sync generates each batch whole; one_step_off waits, before each sync, for every admitted episode's
+    first token (its agent's first call), so that none is born under the next version and left ineligible."""
+    dump = str(tmp_path / mode)
+    placement = (["--placement.num_rollout_ranks=0", "--placement.trainer_replicate_degree=2"] if mode == "sync"
+                 else [])
+    run_torchrun(2, _args(dump, 3, f"--training.mode={mode}", *placement, "--checkpoint.export_hf=false"))
     rows = _rows(dump)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     _check_agent_rows(rows)
+    assert all(r["staleness_max"] == (0 if mode == "sync" else min(r["step"] - 1, 1)) for r in rows), rows

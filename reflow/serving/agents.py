@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as futures
+import logging
 import math
 import queue
 import threading
@@ -71,6 +72,8 @@ class AgentRunner:
     """An event loop on a thread of its own, where the agents run."""
 
     def __init__(self):
+        # the openai client logs every request through httpx at INFO: a line per call, thousands per step
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="reflow-agents", daemon=True)
         self.thread.start()
@@ -258,9 +261,14 @@ class AgentDriver:
         return finished
 
     def step_until_started(self) -> list[Request]:
-        for req in self.engine.step_until_started():
-            self._answer(req)
-        return []
+        """one_step_off's rule before a weight sync (every admitted trajectory has its first token from its
+        admission version): step until every episode has made its first call and has a token, or has ended.
+        An agent slow to make its first call holds the sync up to ``task.agent_timeout_s``; async and reflow
+        do not call this (an episode that starts after the sync is born newer, never staler)."""
+        finished: list[Request] = []
+        while any(not e.request.output_ids for e in self.episodes.values()):
+            finished.extend(self.step())
+        return finished
 
     def generate(self, requests: Iterable[Request], stats: "WorkerStats | None" = None) -> list[Request]:
         for req in requests:
