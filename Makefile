@@ -1,7 +1,7 @@
 # ReFlow quick start. Each target creates/reuses .venv and installs what is missing.
 #   make train   - train the tiny embedded default on CPU (2 ranks, no download)
 #   make test    - run the test suite
-#   make bench   - a benchmark that writes JSON (BENCH=modes|placement|resize|generation|trainer|sandbox, default modes)
+#   make bench   - a benchmark that writes JSON (BENCH=modes|placement|resize|generation|trainer|sandbox|agents, default modes)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

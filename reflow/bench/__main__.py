@@ -1,8 +1,9 @@
 import sys
 
-from reflow.bench import generation, modes, placement, resize, sandbox, trainer
+from reflow.bench import agents, generation, modes, placement, resize, sandbox, trainer
 
-BENCHMARKS = {"generation": generation.main, "modes": modes.main, "placement": placement.main, "resize": resize.main,
+BENCHMARKS = {"agents": agents.main, "generation": generation.main,
+              "modes": modes.main, "placement": placement.main, "resize": resize.main,
               "sandbox": sandbox.main, "trainer": trainer.main}
 
 if __name__ == "__main__":
