@@ -36,6 +36,7 @@ import concurrent.futures as futures
 import logging
 import math
 import queue
+import ssl
 import threading
 import time
 import uuid
@@ -75,12 +76,22 @@ class AgentRunner:
         # the openai client logs every request through httpx at INFO: a line per call, thousands per step
         logging.getLogger("httpx").setLevel(logging.WARNING)
         self.loop = asyncio.new_event_loop()
+        self.ssl = ssl.create_default_context()
+        """Built once: an HTTP client builds one otherwise (loading the CA bundle), which took most of the
+        agents' loop's time when each episode built its client."""
         self.thread = threading.Thread(target=self.loop.run_forever, name="reflow-agents", daemon=True)
         self.thread.start()
 
     def start(self, coroutine) -> futures.Future:
         """Run ``coroutine``; the future resolves to its result (cancelling it cancels the coroutine)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def http_client(self):
+        """An episode's own connection (one pool per episode: a pool shared by hundreds of episodes checks every
+        connection on every request)."""
+        import httpx
+
+        return httpx.AsyncClient(verify=self.ssl)
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -237,7 +248,8 @@ class AgentDriver:
         self.by_request[req.request_id] = episode
         self.endpoint.register(episode.route, self)
         episode.answered_at = self.clock()
-        episode.outcome = self.runner.start(self.task.run_episode(self.endpoint, episode.route, req.meta["problem"]))
+        episode.outcome = self.runner.start(self.task.run_episode(self.endpoint, episode.route, req.meta["problem"],
+                                                                self.runner.http_client()))
         episode.outcome.add_done_callback(lambda _: self.wakeup.set())
 
     def submit(self, pending: PendingCall) -> None:

@@ -65,12 +65,13 @@ class AgentTask:
     def reward(self, problem: Problem, completion: str) -> float:
         raise RuntimeError("an agent task's reward is what its agent returns (reflow.serving.agents)")
 
-    async def run_episode(self, endpoint, route: str, problem: Problem) -> Any:
-        """One episode: the agent with a client of its own, under the time limit; the client closed after."""
+    async def run_episode(self, endpoint, route: str, problem: Problem, http_client=None) -> Any:
+        """One episode: the agent with a client of its own (over ``http_client`` when given), under the time
+        limit; the client closed after."""
         import openai
 
         client = openai.AsyncOpenAI(base_url=endpoint.episode_url(route), api_key=endpoint.api_key, max_retries=0,
-                                    timeout=self.timeout_s)
+                                    timeout=self.timeout_s, http_client=http_client)
         try:
             return await asyncio.wait_for(self.agent(client, agent_row(problem, endpoint.name)), self.timeout_s)
         finally:
