@@ -17,10 +17,12 @@ Threads, and who waits for whom:
     engine with their prefix, and each token keeps the version that sampled it.
 
 Token-exact: the trained tokens are the sampled ones. A call's prompt must extend the trajectory: if its tokens
-start with the trajectory's, the rest are the environment's (never trained). If they do not (the agent's
-messages re-render differently: a re-serialized tool call, a tokenization across a boundary), the trajectory
-keeps its tokens and gains only the text the call added, tokenized on its own; the episode counts a mismatch
-(``Sample.token_mismatches``). A call that rewrites the conversation beyond that fails the episode.
+start with the trajectory's, the rest are the environment's (never trained). If they do not, the trajectory keeps
+its tokens and gains only the context the call added, tokenized on its own, and the episode counts a mismatch
+(``Sample.token_mismatches``): for a completion, the text after what its agent has seen (the previous prompt and
+the text returned, which leaves out special tokens and the stop string); for a chat call that continues the
+previous call's messages, the template's text after the reply (a re-serialized tool call, dropped reasoning).
+A call that rewrites the conversation beyond that fails the episode.
 
 Failures end an episode as a scored failure (reward 0, ``Sample.agent_failure`` its cause): the agent raised
 ("error"), ran past its time ("timeout"), made a call past ``task.max_turns`` ("turn_budget") or past the
@@ -46,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from reflow.rollout.protocols import Engine
 from reflow.rollout.request import Request
 from reflow.serving.chat import render_text
-from reflow.serving.openai_api import Call, Completion, OpenAIError
+from reflow.serving.openai_api import Call, Completion, OpenAIError, completion_text
 from reflow.types import AGENT_FAILURES as FAILURES
 
 MARKER = "REFLOW-REPLY-7f3a9c"
@@ -125,6 +127,9 @@ class Episode:
     mismatches: int = 0
     messages: list[dict] | None = None
     """The latest chat call's messages (a chat call that follows continues them)."""
+    seen: str | None = None
+    """After a completion call: its prompt and the text returned for it, as its agent saw them (a completion
+    call that follows continues that text)."""
 
 
 class AgentEndpoint:
@@ -370,44 +375,39 @@ class AgentDriver:
 
     def _new_tokens(self, episode: Episode, call: Call) -> list[int]:
         """The tokens ``call`` adds after the trajectory: exactly its own when its prompt extends the trajectory's
-        tokens, else (a mismatch) the text it adds, tokenized on its own."""
+        tokens; else (a mismatch) the context it adds, read from its messages (a chat call) or its text (a
+        completion), tokenized on its own."""
         req = episode.request
         sampled = req.prompt_ids + req.output_ids
         if call.prompt_ids[: len(sampled)] == sampled:
             return list(call.prompt_ids[len(sampled):])
-        tok = self.tokenizer.tok
-        had = tok.decode(sampled, skip_special_tokens=False)
-        wants = tok.decode(call.prompt_ids, skip_special_tokens=False)
-        added = self._added_text(episode, had, wants)
-        if added is None:
+        if call.messages is not None:
             added = self._added_after_last_turn(episode, call)
+        else:
+            added = self._added_text(episode, self.tokenizer.tok.decode(call.prompt_ids, skip_special_tokens=False))
         if added is None:
             raise EpisodeFailed("diverged", OpenAIError(
                 400, "this call's conversation does not continue the episode's: send every earlier message as it was, "
                 "the assistant's as they were returned", "messages" if call.messages is not None else "prompt",
                 "conversation_diverged"))
         episode.mismatches += 1
-        return tok(added, add_special_tokens=False).input_ids
+        return self.tokenizer.tok(added, add_special_tokens=False).input_ids
 
-    def _added_text(self, episode: Episode, had: str, wants: str) -> str | None:
-        """The text ``wants`` adds after the trajectory's, read as the agent saw it: the latest turn's text up to
-        its stop string (the API leaves the stop string out of the text; the agent may send it back, and the
-        trajectory has it already)."""
-        if wants.startswith(had):
-            return wants[len(had):]
-        req = episode.request
-        stop = req.stop_reason if isinstance(req.stop_reason, str) else None
-        if stop is None or stop not in had[len(self._text_before_turn(episode)):]:
-            return None  # (the latest turn did not end at a stop string)
-        seen = had[: had.rindex(stop)]
-        if not wants.startswith(seen):
+    def _added_text(self, episode: Episode, wants: str) -> str | None:
+        """The text a completion call adds after what its agent has seen (``Episode.seen``: the previous call's
+        prompt and the text returned for it, which leaves out special tokens and the stop string). A stop string
+        the agent sends back is the trajectory's already."""
+        if episode.seen is None or not wants.startswith(episode.seen):
             return None
-        added = wants[len(seen):]
-        return added[len(stop):] if added.startswith(stop) else added
+        added = wants[len(episode.seen):]
+        stop = episode.request.stop_reason
+        return added[len(stop):] if isinstance(stop, str) and added.startswith(stop) else added
 
-    def _text_before_turn(self, episode: Episode) -> str:
+    def _saw(self, episode: Episode, call: Call) -> None:
+        """A turn answered to ``call``: what its agent has seen since, as text."""
         req = episode.request
-        return self.tokenizer.tok.decode(req.prompt_ids + req.output_ids[: episode.turn_start], skip_special_tokens=False)
+        episode.seen = self.tokenizer.tok.decode(call.prompt_ids, skip_special_tokens=False) + completion_text(
+            self.tokenizer, req.output_ids[episode.turn_start:], req.stop_reason)
 
     def _added_after_last_turn(self, episode: Episode, call: Call) -> str | None:
         """A chat call that continues the episode's conversation (the previous call's messages, its reply, then
@@ -441,6 +441,8 @@ class AgentDriver:
             return
         pending, episode.turn = episode.turn, None
         req.turn_end = None
+        if pending.call.messages is None:
+            self._saw(episode, pending.call)
         prefix = req.prompt_ids + req.output_ids[: episode.turn_start]
         episode.answered_at = self.clock()
         pending.answer.set_result([Completion(

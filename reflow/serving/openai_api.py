@@ -221,13 +221,18 @@ def _call(body: _Sampling, prompt_ids: list[int], requested: int | None, param: 
     return Call(prompt_ids, requested, param, body.n, body.temperature, body.top_p, stop, body.seed, **source)
 
 
-def _text(model: Backend, done: Completion) -> str:
-    """The completion's text, up to its stop string (vLLM stops at the first match, inside the last token: the
-    text leaves it and whatever that token held after it out; ``token_ids`` keep every token)."""
-    text = model.tokenizer.tok.decode(done.output_ids, skip_special_tokens=True)
-    if isinstance(done.stop_reason, str) and done.stop_reason in text:
-        text = text[: text.index(done.stop_reason)]
+def completion_text(tokenizer, output_ids: list[int], stop_reason) -> str:
+    """A completion's text as the API returns it: special tokens left out, and cut before its stop string (vLLM
+    stops at the first match, inside the last token: the text leaves it and whatever that token held after it
+    out; ``token_ids`` keep every token)."""
+    text = tokenizer.tok.decode(output_ids, skip_special_tokens=True)
+    if isinstance(stop_reason, str) and stop_reason in text:
+        text = text[: text.index(stop_reason)]
     return text
+
+
+def _text(model: Backend, done: Completion) -> str:
+    return completion_text(model.tokenizer, done.output_ids, done.stop_reason)
 
 
 def _token_texts(model: Backend, ids: list[int]) -> list[str]:

@@ -105,21 +105,37 @@ def test_a_chat_call_that_rewrites_the_conversation_fails_the_episode(tokenizer)
     assert failed.value.cause == "diverged" and failed.value.error.status == 400
 
 
+def _completion(tokenizer, text: str) -> Call:
+    return Call(tokenizer.encode(text), None, "max_tokens", 1, 1.0, 1.0, ("</calc>",), None, text=text)
+
+
 def test_a_completion_agent_may_leave_out_the_stop_string(tokenizer):
-    """The API's text ends before the stop string; an agent that sends its text back without it continues the
-    trajectory, which keeps the sampled stop string; one that sends it back extends the tokens exactly."""
+    """The API's text ends before the stop string and leaves special tokens out; an agent that sends its text
+    back so continues the trajectory, which keeps every sampled token, over as many calls as it makes; one
+    that sends the stop string back extends the tokens exactly; one that rewrites its text fails."""
     driver = _driver(tokenizer)
-    prompt = tokenizer.encode("Calc: 3+5=")
     for sends_stop in (False, True):
-        episode = Episode("r", Request("a", list(prompt), 200, seed=0, stop=("</calc>",)))
+        stop = "</calc>" if sends_stop else ""
+        first = _completion(tokenizer, "Calc: 3+5+1=")
+        episode = Episode("r", Request("a", list(first.prompt_ids), 200, seed=0, stop=("</calc>",)))
         _sampled(episode, tokenizer, "<calc>3+5</calc>")
         episode.request.stop_reason = "</calc>"
-        text = "Calc: 3+5=<calc>3+5" + ("</calc>" if sends_stop else "") + "<result>8</result>\n"
-        call = Call(tokenizer.encode(text), None, "max_tokens", 1, 1.0, 1.0, ("</calc>",), None, text=text)
-        added = driver._new_tokens(episode, call)
+        driver._saw(episode, first)
+        second = _completion(tokenizer, "Calc: 3+5+1=<calc>3+5" + stop + "<result>8</result>\n")
+        added = driver._new_tokens(episode, second)
         assert _decode(tokenizer, added) == "<result>8</result>\n"
         assert episode.mismatches == (0 if sends_stop else 1)
-        rewritten = Call(tokenizer.encode("Calc: 3+5=<calc>4+4<result>8</result>"), None, "max_tokens", 1, 1.0, 1.0,
-                         (), None)
+        episode.request.append_environment_tokens(added)
+        # the second turn: a special token inside it (the API's text leaves it out), and the stop string again
+        _sampled(episode, tokenizer, "<calc>8<|bos|>+1</calc>")
+        episode.request.stop_reason = "</calc>"
+        driver._saw(episode, second)
+        third = _completion(tokenizer, "Calc: 3+5+1=<calc>3+5" + stop + "<result>8</result>\n<calc>8+1" + stop
+                            + "<result>9</result>\n")
+        added = driver._new_tokens(episode, third)
+        assert _decode(tokenizer, added) == "<result>9</result>\n"
+        assert "<calc>8<|bos|>+1</calc>" in _decode(tokenizer, episode.request.output_ids)  # as sampled
+        assert episode.mismatches == (1 if sends_stop else 2)
+        rewritten = _completion(tokenizer, "Calc: 3+5+1=<calc>4+4<result>8</result>")
         with pytest.raises(EpisodeFailed):
             driver._new_tokens(episode, rewritten)
