@@ -164,6 +164,10 @@ def main():
         "layouts": bool(layouts), "spanning_sync": sum(1 for r in finished if set(r.versions) == {0, 1}),
         "multi_turn": sum(1 for r in finished if len(r.model_spans) > 1),
         "mismatches": sum(r.meta["token_mismatches"] for r in finished),
+        # special tokens inside a model turn (not the EOS that ends it): the API's text leaves them out
+        "special_in_turns": sum(
+            1 for r in finished for a, b in r.model_spans for i in range(a, b)
+            if r.output_ids[i] in tok.tok.all_special_ids and not (i == b - 1 and r.output_ids[i] == tok.tok.eos_token_id)),
         "failures": sorted({r.meta["agent_failure"] for r in finished}),
         "rewards": sorted({r.reward for r in finished}), "engine_left": engine.num_active,
         # the built-in task's reward of the trajectory's text: the agent's transcript is what was trained
