@@ -63,13 +63,8 @@ class RewardMix:
         """(the reward, each part before its weight: the functions' values and the overlong term).
         ``response_tokens``: every token of the response, the environment's included, as the length cap
         (rollout.max_new_tokens) counts them."""
-        parts = {name: float(function(problem, response)) for name, function in self.functions.items()}
-        total = sum(self.weights[name] * value for name, value in parts.items())
-        if self.overlong_buffer > 0:
-            parts["overlong"] = self.overlong_scale * overlong_penalty(response_tokens, self.max_tokens, self.overlong_buffer)
-            total += parts["overlong"]
-        return total, parts
-
+        return self.combine({name: function(problem, response) for name, function in self.functions.items()},
+                            response_tokens)
 
     def combine(self, values: dict[str, float], response_tokens: int) -> tuple[float, dict[str, float]]:
         """``score`` for rewards computed elsewhere (an agent's, by name): every function of the mix must be in

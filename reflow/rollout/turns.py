@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 from reflow.rollout.protocols import Engine
 from reflow.rollout.request import Request
@@ -114,14 +114,7 @@ class TurnDriver:
             self.add(req)
             if stats is not None:
                 stats.prefilled_tokens += len(req.prompt_ids)
-        done: list[Request] = []
-        while self.num_active:
-            sequences = self.engine.num_active
-            done.extend(self.step())
-            if stats is not None and self.stepped:
-                stats.engine_steps += self.engine.decode_steps
-                stats.step_sequences += sequences * self.engine.decode_steps
-        return done
+        return run_to_end(self, stats)
 
     def hold_all(self) -> list[Request]:
         """The engine's requests, stopped with their prefix (a weight sync); those waiting on a tool stay."""
@@ -198,3 +191,28 @@ class TurnDriver:
             req.append_environment_tokens(answer_ids)
             req.finish_reason = req.stop_reason = None
             self.engine.add(req)
+
+
+class SteppedDriver(Protocol):
+    """What ``run_to_end`` steps: a ``TurnDriver``, or an agent task's ``reflow.serving.agents.AgentDriver``."""
+
+    engine: Engine
+    stepped: bool
+
+    @property
+    def num_active(self) -> int: ...
+
+    def step(self) -> list[Request]: ...
+
+
+def run_to_end(driver: SteppedDriver, stats: "WorkerStats | None" = None) -> list[Request]:
+    """Step ``driver`` until it holds nothing; returns what finished. ``stats`` gains the engine steps and the
+    sequences they stepped (the steps that waited on a tool or an agent step nothing)."""
+    done: list[Request] = []
+    while driver.num_active:
+        sequences = driver.engine.num_active
+        done.extend(driver.step())
+        if stats is not None and driver.stepped:
+            stats.engine_steps += driver.engine.decode_steps
+            stats.step_sequences += sequences * driver.engine.decode_steps
+    return done

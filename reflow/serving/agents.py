@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from reflow.rollout.protocols import Engine
 from reflow.rollout.request import Request
+from reflow.rollout.turns import run_to_end
 from reflow.serving.chat import render_text
 from reflow.serving.openai_api import Call, Completion, OpenAIError, completion_text
 from reflow.types import AGENT_FAILURES as FAILURES
@@ -290,14 +291,7 @@ class AgentDriver:
     def generate(self, requests: Iterable[Request], stats: "WorkerStats | None" = None) -> list[Request]:
         for req in requests:
             self.add(req)
-        done: list[Request] = []
-        while self.num_active:
-            sequences = self.engine.num_active
-            done.extend(self.step())
-            if stats is not None and self.stepped:
-                stats.engine_steps += self.engine.decode_steps
-                stats.step_sequences += sequences * self.engine.decode_steps
-        return done
+        return run_to_end(self, stats)
 
     def hold_all(self) -> list[Request]:
         """The turns in the engine, stopped with their prefix (a weight sync); they resume with ``resume``."""
