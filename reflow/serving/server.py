@@ -20,12 +20,17 @@ def new_api_key() -> str:
     return secrets.token_urlsafe(32)
 
 
+def uvicorn_config(app, host: str, port: int) -> uvicorn.Config:
+    # (a stop waits at most 5 s for open connections: a client that never reads does not hold the process; no
+    # proxy headers: nothing sits in front of this server, and their check parsed the client's address per call)
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                          timeout_graceful_shutdown=5, proxy_headers=False)
+
+
 class EndpointServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
         self.host = host
-        # (a stop waits at most 5 s for open connections: a client that never reads does not hold the process)
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                                    lifespan="off", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn_config(app, host, port))
         # (uvicorn leaves signals alone off the main thread: the process keeps its own handlers)
         self.thread = threading.Thread(target=self.server.run, name="reflow-endpoint", daemon=True)
         self.port: int | None = None
