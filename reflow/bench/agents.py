@@ -9,7 +9,8 @@ samples each, the same sampling seeds) are generated twice per repeat, in altern
   builtin  ``reflow.rollout.turns.TurnDriver`` with the built-in ``chain_sum_calculator`` task: the calculator
            answers each ``</calc>`` on the tool pool, and the trajectory re-enters the engine
   agent    ``reflow.serving.agents.AgentDriver`` with the example agent (``reflow.examples.calculator_agent``):
-           every turn is an HTTP call from an ``openai.AsyncOpenAI`` client through the rank's endpoint
+           every turn is an HTTP call from an ``openai.AsyncOpenAI`` client through the rank's endpoint, both in
+           the agents' process (``reflow.serving.agent_host``), apart from the engine's
 
 Each reports the model tokens sampled per second of wall time (``model_tokens_per_s``; tool tokens are not
 counted) and the trajectories' mean reward. For the agent: each call's overhead, which is the latency the client saw
@@ -28,8 +29,9 @@ import statistics
 import sys
 import time
 
-CALLS: dict[str, list[tuple[float, float]]] = {}
-"""Each episode's calls as its client saw them, by route: (sent, answered) on the perf counter."""
+CALLS_FILE = "REFLOW_BENCH_CALLS"
+"""The environment variable naming the file where the agents' process writes each call as its client saw it:
+a line "route sent answered" (the perf counter is the machine's monotonic clock, the same in both processes)."""
 
 
 class _TimedCompletions:
@@ -40,7 +42,8 @@ class _TimedCompletions:
     async def create(self, **kwargs):
         sent = time.perf_counter()
         out = await self.client.completions.create(**kwargs)
-        CALLS.setdefault(self.route, []).append((sent, time.perf_counter()))
+        with open(os.environ[CALLS_FILE], "a") as f:
+            f.write(f"{self.route} {sent!r} {time.perf_counter()!r}\n")
         return out
 
 
@@ -54,6 +57,17 @@ async def timed_solve(client, row):
     from reflow.examples.calculator_agent import solve
 
     return await solve(_TimedClient(client), row)
+
+
+def _calls(path: str) -> dict[str, list[tuple[float, float]]]:
+    """Each episode's calls as its client saw them, by route: (sent, answered)."""
+    calls: dict[str, list[tuple[float, float]]] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                route, sent, answered = line.split()
+                calls.setdefault(route, []).append((float(sent), float(answered)))
+    return calls
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -75,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    calls_file = os.path.abspath(args.out) + ".calls"
+    os.environ[CALLS_FILE] = calls_file  # (before the agents' process starts: it inherits the environment)
+    if os.path.exists(calls_file):
+        os.remove(calls_file)
     import torch
 
     torch.set_num_threads(1)
@@ -101,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     serving = AgentServing.start(agent_task, tok, recipe.name, cfg.rollout)
     drivers = {
         "builtin": (builtin_task, TurnDriver(engine, builtin_task, tok, cfg.task.tool_workers)),
-        "agent": (agent_task, AgentDriver(engine, agent_task, tok, serving.endpoint, serving.runner)),
+        "agent": (agent_task, AgentDriver(engine, agent_task, tok, serving.host)),
     }
     # the agent's per-turn engine time: when its turn entered the engine, and when it was answered
     in_engine: dict[str, list[tuple[float, float]]] = {}
@@ -136,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     generate("builtin", 10_000)  # warm-up: neither side pays the first steps' one-time costs
     generate("agent", 10_000)
-    CALLS.clear()
+    if os.path.exists(calls_file):
+        os.remove(calls_file)
     in_engine.clear()
     runs: dict[str, list[dict]] = {"builtin": [], "agent": []}
     for repeat in range(args.repeats):
@@ -147,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     serving.close()
     by_call = [
         (index, ((answered - sent) - (engine_end - engine_start)) * 1000)
-        for route, calls in CALLS.items()
+        for route, calls in _calls(calls_file).items()
         for index, ((sent, answered), (engine_start, engine_end)) in enumerate(zip(calls, in_engine.get(route, [])))
     ]
     overheads = [ms for _, ms in by_call]
@@ -171,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         "later_call_overhead_ms": {"calls": len(later), "p50": _percentile(later, 0.5), "p99": _percentile(later, 0.99)},
         "target": {"agent_over_builtin": 0.85, "met": rate["agent"] / rate["builtin"] >= 0.85},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: result[k] for k in ("model_tokens_per_s", "agent_over_builtin", "call_overhead_ms",

@@ -1,20 +1,20 @@
 """Agent episodes: an agent written against the OpenAI API drives one trajectory through the run's endpoint.
 
-    endpoint = AgentEndpoint(tokenizer, "tiny-qwen3", max_model_len, rollout)   # served by reflow.serving
-    driver = AgentDriver(engine, task, tokenizer, endpoint, runner, rewards)    # a TurnDriver, for agents
+    host = AgentHost.start(task, tokenizer, "tiny-qwen3", rollout)       # the agents' process (agent_host)
+    driver = AgentDriver(engine, task, tokenizer, host, rewards)          # a TurnDriver, for agents
     driver.add(request)      # start the agent of one episode; ``request`` becomes its trajectory
     driver.step()            # its calls into the engine, one engine step, its turns back: finished episodes
 
-Threads, and who waits for whom:
-  - the agent runs on the runner's event loop (``AgentRunner``) with an ``openai.AsyncOpenAI`` client whose
-    base URL is its episode's (``/episodes/<id>/v1``), under ``task.agent_timeout_s``;
-  - each of its calls reaches the endpoint's server thread, which parses it (``reflow.serving.openai_api``),
-    queues it on the driver and waits for its turn;
-  - the rollout worker's thread owns the engine: before each engine step the driver takes the queued calls,
-    extends each episode's trajectory with the call's new prompt tokens and puts it back in the engine; a turn
-    that ends is answered to its call. Between its calls an episode holds no engine slot (as a trajectory at
-    its tool in ``reflow.rollout.turns``), so a slow agent blocks nothing; a weight sync holds the turns in the
-    engine with their prefix, and each token keeps the version that sampled it.
+Processes, and who waits for whom:
+  - the agents run in the rank's agents' process (``reflow.serving.agent_host``), each with an
+    ``openai.AsyncOpenAI`` client whose base URL is its episode's (``/episodes/<id>/v1``), under
+    ``task.agent_timeout_s``; the endpoint's server runs there too, parses each call
+    (``reflow.serving.openai_api``), sends it here and waits for its turn;
+  - the rollout worker's thread owns the engine and this driver: before each engine step it takes what the agents'
+    process sent (calls, agents' ends), extends each calling episode's trajectory with the call's new prompt tokens
+    and puts it back in the engine; a turn that ends is answered to its call. Between its calls an episode holds no
+    engine slot (as a trajectory at its tool in ``reflow.rollout.turns``), so a slow agent blocks nothing; a
+    weight sync holds the turns in the engine with their prefix, and each token keeps the version that sampled it.
 
 Token-exact: the trained tokens are the sampled ones. A call's prompt must extend the trajectory: if its tokens
 start with the trajectory's, the rest are the environment's (never trained). If they do not, the trajectory keeps
@@ -33,30 +33,29 @@ A malformed call gets OpenAI's error shape and leaves the episode as it was.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures as futures
 import logging
 import math
-import queue
-import ssl
-import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from reflow.rollout.protocols import Engine
 from reflow.rollout.request import Request
 from reflow.rollout.turns import run_to_end
+from reflow.serving.agent_host import AgentEnded, AgentHost, CallMade
 from reflow.serving.chat import render_text
 from reflow.serving.openai_api import Call, Completion, OpenAIError, completion_text
+from reflow.tasks.agent import agent_row
 from reflow.types import AGENT_FAILURES as FAILURES
+
+logger = logging.getLogger(__name__)
 
 MARKER = "REFLOW-REPLY-7f3a9c"
 """A reply's stand-in body, to find where the chat template's text around a reply begins and ends."""
 
 if TYPE_CHECKING:
-    from reflow.config.job_config import RolloutSection
     from reflow.rewards import RewardMix
     from reflow.rollout.tokenizer import PromptTokenizer
     from reflow.tasks.agent import AgentTask
@@ -72,41 +71,12 @@ class EpisodeFailed(Exception):
         self.cause, self.error = cause, error
 
 
-class AgentRunner:
-    """An event loop on a thread of its own, where the agents run."""
-
-    def __init__(self):
-        # the openai client logs every request through httpx at INFO: a line per call, thousands per step
-        logging.getLogger("httpx").setLevel(logging.WARNING)
-        self.loop = asyncio.new_event_loop()
-        self.ssl = ssl.create_default_context()
-        """Built once: an HTTP client builds one otherwise (loading the CA bundle), which took most of the
-        agents' loop's time when each episode built its client."""
-        self.thread = threading.Thread(target=self.loop.run_forever, name="reflow-agents", daemon=True)
-        self.thread.start()
-
-    def start(self, coroutine) -> futures.Future:
-        """Run ``coroutine``; the future resolves to its result (cancelling it cancels the coroutine)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def http_client(self):
-        """An episode's own connection (one pool per episode: a pool shared by hundreds of episodes checks every
-        connection on every request)."""
-        import httpx
-
-        return httpx.AsyncClient(verify=self.ssl)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-
-
 @dataclass
 class PendingCall:
+    call_id: int
+    """The call's number in the agents' process (``AgentHost.answer`` and ``refuse`` take it)."""
     route: str
     call: Call
-    answer: futures.Future
-    """Resolves to the call's ``Completion`` list, or fails with an ``OpenAIError``."""
 
 
 @dataclass
@@ -114,8 +84,8 @@ class Episode:
     route: str
     request: Request
     """The trajectory: the first call's prompt, then every turn's sampled tokens and the calls' new tokens."""
-    outcome: futures.Future | None = None
-    """The agent's run: its reward, or its error."""
+    ended: AgentEnded | None = None
+    """The agent's end, once it came: its return, or its failure's cause."""
     calls: int = 0
     turn: PendingCall | None = None
     """The call whose turn is in the engine."""
@@ -128,69 +98,10 @@ class Episode:
     mismatches: int = 0
     messages: list[dict] | None = None
     """The latest chat call's messages (a chat call that follows continues them)."""
-    seen: str | None = None
-    """After a completion call: its prompt and the text returned for it, as its agent saw them (a completion
-    call that follows continues that text)."""
-
-
-class AgentEndpoint:
-    """The ``Backend`` of a run's endpoint (``reflow.serving.openai_api``): each call goes to the driver of its
-    episode, whose thread answers it. One per rank, shared by that rank's drivers (the run's, the evaluation's)."""
-
-    def __init__(self, tokenizer: "PromptTokenizer", name: str, max_model_len: int, rollout: "RolloutSection"):
-        self.tokenizer, self.name, self.max_model_len = tokenizer, name, max_model_len
-        self.temperature, self.top_p = rollout.temperature, rollout.top_p
-        self.drivers: dict[str, "AgentDriver"] = {}
-        """Each live episode's driver, by route."""
-        self.lock = threading.Lock()
-        self.base_url = ""
-        self.api_key = ""
-        """Set once the server listens (``serve``)."""
-        self.server = None
-
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        from reflow.serving.openai_api import build_app
-        from reflow.serving.server import EndpointServer, new_api_key
-
-        self.api_key = new_api_key()
-        self.server = EndpointServer(build_app(self, self.api_key), host, port)
-        self.base_url = self.server.start()[: -len("/v1")]
-        return self.base_url
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-
-    def episode_url(self, route: str) -> str:
-        return f"{self.base_url}/episodes/{route}/v1"
-
-    def register(self, route: str, driver: "AgentDriver") -> None:
-        with self.lock:
-            self.drivers[route] = driver
-
-    def unregister(self, route: str) -> None:
-        with self.lock:
-            self.drivers.pop(route, None)
-
-    async def generate(self, route: str | None, call: Call) -> list[Completion]:
-        if route is None:
-            raise OpenAIError(404, "this endpoint serves agent episodes: use the base_url of the client your agent "
-                              "was given", None, "not_found")
-        if call.n != 1:
-            raise OpenAIError(400, f"n must be 1 in an episode (one trajectory), got {call.n}: make one call per "
-                              "completion", "n")
-        for name, value, run in (("temperature", call.temperature, self.temperature), ("top_p", call.top_p, self.top_p)):
-            if not math.isclose(value, run):
-                raise OpenAIError(400, f"{name} = {value}: training samples at the run's rollout.{name} = {run} (the "
-                                  f"distribution its log-probs assume); send {run} or leave it out", name)
-        with self.lock:
-            driver = self.drivers.get(route)
-        if driver is None:
-            raise OpenAIError(404, f"no episode {route!r} in flight (it ended, failed or was dropped)", None,
-                              "episode_not_found")
-        answer: futures.Future = futures.Future()
-        driver.submit(PendingCall(route, call, answer))
-        return await asyncio.wrap_future(answer)
+    last_completion: tuple[Call, list[int], str | int | None] | None = None
+    """After a completion call: the call, its turn's tokens and its stop reason. What its agent has seen since
+    (``AgentDriver._seen``), the text a completion call that follows must continue, is read from them only where
+    that call's tokens do not extend the trajectory (decoding every call on the engine's thread cost it time)."""
 
 
 def episode_reward(value: Any, rewards: "RewardMix | None", response_tokens: int) -> tuple[float, dict | None]:
@@ -213,22 +124,26 @@ class AgentDriver:
     """The ``TurnDriver`` of an agent task: the same calls, with agents in place of an environment."""
 
     def __init__(
-        self, engine: Engine, task: "AgentTask", tokenizer: "PromptTokenizer", endpoint: AgentEndpoint,
-        runner: AgentRunner, rewards: "RewardMix | None" = None, clock: Callable[[], float] = time.perf_counter,
+        self, engine: Engine, task: "AgentTask", tokenizer: "PromptTokenizer", host: AgentHost,
+        rewards: "RewardMix | None" = None, clock: Callable[[], float] = time.perf_counter,
     ):
-        self.engine, self.task, self.tokenizer, self.endpoint, self.runner = engine, task, tokenizer, endpoint, runner
+        self.engine, self.task, self.tokenizer, self.host = engine, task, tokenizer, host
         self.rewards = rewards
         self.clock = clock
         self.episodes: dict[str, Episode] = {}
         """Every episode started and not finished, by route."""
         self.by_request: dict[str, Episode] = {}
-        self.inbox: queue.Queue[PendingCall] = queue.Queue()
-        self.wakeup = threading.Event()
-        """Set by a call or an agent's end: what the driver waits on with nothing in the engine."""
+        self.inbox: deque[CallMade | AgentEnded] = deque()
+        """What the agents' process sent for this driver's episodes (``AgentHost.deliver``), in order."""
+        self.errors_logged = 0
         self.tool_wait_s = 0.0
         self.stepped = False
         self.scoring: dict = {}
         """(A ``TurnDriver``'s trajectories being scored: an agent's reward comes with its end.)"""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.host.settings.max_model_len
 
     # ---- the TurnDriver interface ----------------------------------------------------------------
 
@@ -252,20 +167,18 @@ class AgentDriver:
         episode = Episode(uuid.uuid4().hex, req)
         self.episodes[episode.route] = episode
         self.by_request[req.request_id] = episode
-        self.endpoint.register(episode.route, self)
+        self.host.register(episode.route, self)
         episode.answered_at = self.clock()
-        episode.outcome = self.runner.start(self.task.run_episode(self.endpoint, episode.route, req.meta["problem"],
-                                                                self.runner.http_client()))
-        episode.outcome.add_done_callback(lambda _: self.wakeup.set())
+        self.host.start_episode(episode.route, agent_row(req.meta["problem"], self.host.name))
 
-    def submit(self, pending: PendingCall) -> None:
-        """From the endpoint's thread: a call to take before the next engine step."""
-        self.inbox.put(pending)
-        self.wakeup.set()
+    def receive(self, message: CallMade | AgentEnded) -> None:
+        """From ``AgentHost.deliver``: a call, or an agent's end, to take before the next engine step."""
+        self.inbox.append(message)
 
     def step(self) -> list[Request]:
         finished: list[Request] = []
-        self._take_calls(finished)
+        self.host.deliver()
+        self._take_messages(finished)
         self._end_agents(finished)
         self.stepped = self.engine.num_active > 0
         if self.stepped:
@@ -273,9 +186,8 @@ class AgentDriver:
                 self._answer(req)
         elif self.episodes:
             t0 = time.perf_counter()
-            self.wakeup.wait(timeout=0.05)
+            self.host.deliver(timeout_s=0.05)
             self.tool_wait_s += time.perf_counter() - t0
-        self.wakeup.clear()
         return finished
 
     def step_until_started(self) -> list[Request]:
@@ -316,28 +228,30 @@ class AgentDriver:
 
     # ---- calls -----------------------------------------------------------------------------------
 
-    def _take_calls(self, finished: list[Request]) -> None:
-        while True:
-            try:
-                pending = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            episode = self.episodes.get(pending.route)
+    def _take_messages(self, finished: list[Request]) -> None:
+        while self.inbox:
+            message = self.inbox.popleft()
+            episode = self.episodes.get(message.route)
+            if isinstance(message, AgentEnded):
+                if episode is not None:
+                    episode.ended = message
+                continue
             if episode is None:
-                pending.answer.set_exception(OpenAIError(404, f"no episode {pending.route!r} in flight", None,
-                                                         "episode_not_found"))
+                self.host.refuse(message.call_id, OpenAIError(404, f"no episode {message.route!r} in flight", None,
+                                                              "episode_not_found"))
                 continue
             if episode.turn is not None:
-                pending.answer.set_exception(OpenAIError(409, "this episode has a call in flight already: one call "
-                                                         "at a time per episode", None, "call_in_flight"))
+                self.host.refuse(message.call_id, OpenAIError(409, "this episode has a call in flight already: one "
+                                                              "call at a time per episode", None, "call_in_flight"))
                 continue
+            pending = PendingCall(message.call_id, message.route, message.call)
             try:
                 self._start_turn(episode, pending)
             except EpisodeFailed as failed:
-                pending.answer.set_exception(failed.error)
+                self.host.refuse(pending.call_id, failed.error)
                 self._fail(episode, failed.cause, finished)
             except OpenAIError as error:
-                pending.answer.set_exception(error)
+                self.host.refuse(pending.call_id, error)
 
     def _start_turn(self, episode: Episode, pending: PendingCall) -> None:
         req, call = episode.request, pending.call
@@ -349,11 +263,11 @@ class AgentDriver:
         else:
             new = self._new_tokens(episode, call)
         response = len(req.output_ids) + len(new)
-        room = min(req.max_tokens - response, self.endpoint.max_model_len - len(req.prompt_ids) - response)
+        room = min(req.max_tokens - response, self.max_model_len - len(req.prompt_ids) - response)
         if room <= 0:
             raise EpisodeFailed("token_budget", OpenAIError(
                 400, f"the trajectory has {len(req.prompt_ids)} prompt and {response} response tokens: no room left "
-                f"(rollout.max_new_tokens = {req.max_tokens}, rollout.max_model_len = {self.endpoint.max_model_len})",
+                f"(rollout.max_new_tokens = {req.max_tokens}, rollout.max_model_len = {self.max_model_len})",
                 pending.call.max_tokens_param, "context_length_exceeded"))
         if episode.calls and episode.answered_at is not None:
             req.tool_calls += 1
@@ -388,20 +302,23 @@ class AgentDriver:
         return self.tokenizer.tok(added, add_special_tokens=False).input_ids
 
     def _added_text(self, episode: Episode, wants: str) -> str | None:
-        """The text a completion call adds after what its agent has seen (``Episode.seen``: the previous call's
-        prompt and the text returned for it, which leaves out special tokens and the stop string). A stop string
-        the agent sends back is the trajectory's already."""
-        if episode.seen is None or not wants.startswith(episode.seen):
+        """The text a completion call adds after what its agent has seen (``_seen``). A stop string the agent
+        sends back is the trajectory's already."""
+        seen = self._seen(episode)
+        if seen is None or not wants.startswith(seen):
             return None
-        added = wants[len(episode.seen):]
-        stop = episode.request.stop_reason
+        added = wants[len(seen):]
+        stop = episode.last_completion[2]
         return added[len(stop):] if isinstance(stop, str) and added.startswith(stop) else added
 
-    def _saw(self, episode: Episode, call: Call) -> None:
-        """A turn answered to ``call``: what its agent has seen since, as text."""
-        req = episode.request
-        episode.seen = self.tokenizer.tok.decode(call.prompt_ids, skip_special_tokens=False) + completion_text(
-            self.tokenizer, req.output_ids[episode.turn_start:], req.stop_reason)
+    def _seen(self, episode: Episode) -> str | None:
+        """What the agent of ``episode`` has seen since its last completion call: that call's prompt and the text
+        returned for it (which leaves out special tokens and the stop string)."""
+        if episode.last_completion is None:
+            return None
+        call, turn, stop = episode.last_completion
+        return self.tokenizer.tok.decode(call.prompt_ids, skip_special_tokens=False) + completion_text(
+            self.tokenizer, turn, stop)
 
     def _added_after_last_turn(self, episode: Episode, call: Call) -> str | None:
         """A chat call that continues the episode's conversation (the previous call's messages, its reply, then
@@ -436,10 +353,10 @@ class AgentDriver:
         pending, episode.turn = episode.turn, None
         req.turn_end = None
         if pending.call.messages is None:
-            self._saw(episode, pending.call)
+            episode.last_completion = (pending.call, req.output_ids[episode.turn_start:], req.stop_reason)
         prefix = req.prompt_ids + req.output_ids[: episode.turn_start]
         episode.answered_at = self.clock()
-        pending.answer.set_result([Completion(
+        self.host.answer(pending.call_id, [Completion(
             prefix, req.output_ids[episode.turn_start:], req.logprobs[episode.turn_logprobs_start:], req.finish_reason,
             req.stop_reason,
         )])
@@ -447,21 +364,17 @@ class AgentDriver:
     # ---- ends ------------------------------------------------------------------------------------
 
     def _end_agents(self, finished: list[Request]) -> None:
-        for episode in [e for e in self.episodes.values() if e.outcome.done()]:
-            try:
-                value = episode.outcome.result()
-            except TimeoutError:
-                self._fail(episode, "timeout", finished)
-                continue
-            except futures.CancelledError:
-                self._fail(episode, "error", finished)
-                continue
-            except Exception:
-                self._fail(episode, "error", finished)
+        for episode in [e for e in self.episodes.values() if e.ended is not None]:
+            ended = episode.ended
+            if ended.failure is not None:
+                if ended.failure == "error" and self.errors_logged < 3:
+                    self.errors_logged += 1
+                    logger.warning("an agent failed (scored 0, counted in agent_error): %s", ended.detail)
+                self._fail(episode, ended.failure, finished)
                 continue
             req = episode.request
             try:
-                req.reward, req.reward_parts = episode_reward(value, self.rewards, len(req.output_ids))
+                req.reward, req.reward_parts = episode_reward(ended.value, self.rewards, len(req.output_ids))
             except (ValueError, TypeError):
                 self._fail(episode, "bad_reward", finished)
                 continue
@@ -488,22 +401,19 @@ class AgentDriver:
         cancelled, its route gone."""
         self.engine.abort(episode.request.request_id)
         if episode.turn is not None:
-            episode.turn.answer.set_exception(refusal)
+            self.host.refuse(episode.turn.call_id, refusal)
             episode.turn = None
         episode.request.turn_end = None
-        if episode.outcome is not None and not episode.outcome.done():
-            episode.outcome.cancel()
-        self.endpoint.unregister(episode.route)
+        self.host.end_episode(episode.route)
         self.episodes.pop(episode.route, None)
         self.by_request.pop(episode.request.request_id, None)
 
     def _refuse_queued(self) -> None:
-        while True:
-            try:
-                pending = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            pending.answer.set_exception(OpenAIError(503, "the run stopped", None, "episode_dropped"))
+        self.host.deliver()
+        while self.inbox:
+            message = self.inbox.popleft()
+            if isinstance(message, CallMade):
+                self.host.refuse(message.call_id, OpenAIError(503, "the run stopped", None, "episode_dropped"))
 
 
-__all__ = ["AgentDriver", "AgentEndpoint", "AgentRunner", "Episode", "FAILURES", "episode_reward"]
+__all__ = ["AgentDriver", "Episode", "FAILURES", "episode_reward"]

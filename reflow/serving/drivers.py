@@ -1,5 +1,6 @@
 """The driver a rank runs its trajectories through: a ``TurnDriver`` (single-turn tasks, and multi-turn tasks
-with an ``Environment``), or for an agent task an ``AgentDriver`` over the rank's endpoint.
+with an ``Environment``), or for an agent task an ``AgentDriver`` over the rank's agents' process (its endpoint
+and its agents, ``reflow.serving.agent_host``).
 
     serving = AgentServing.start(task, tokenizer, name, rollout)    # None unless task.name = 'agent'
     turns = new_driver(engine, task, tokenizer, tool_workers, rewards, serving)
@@ -16,30 +17,28 @@ if TYPE_CHECKING:
     from reflow.rewards import RewardMix
     from reflow.rollout.protocols import Engine
     from reflow.rollout.tokenizer import PromptTokenizer
-    from reflow.serving.agents import AgentDriver, AgentEndpoint, AgentRunner
+    from reflow.serving.agent_host import AgentHost
+    from reflow.serving.agents import AgentDriver
     from reflow.tasks.base import Task
 
 
 @dataclass
 class AgentServing:
-    """A rank's endpoint for its agent episodes (loopback, a key of its own) and the loop its agents run on."""
+    """A rank's endpoint for its agent episodes (loopback, a key of its own) and its agents, in a process of their
+    own."""
 
-    endpoint: "AgentEndpoint"
-    runner: "AgentRunner"
+    host: "AgentHost"
 
     @classmethod
     def start(cls, task: "Task", tokenizer: "PromptTokenizer", name: str, rollout) -> "AgentServing | None":
         if task.name != "agent":
             return None
-        from reflow.serving.agents import AgentEndpoint, AgentRunner
+        from reflow.serving.agent_host import AgentHost
 
-        endpoint = AgentEndpoint(tokenizer, name, rollout.max_model_len, rollout)
-        endpoint.serve()
-        return cls(endpoint, AgentRunner())
+        return cls(AgentHost.start(task, tokenizer, name, rollout))
 
     def close(self) -> None:
-        self.endpoint.close()
-        self.runner.close()
+        self.host.close()
 
 
 def new_driver(
@@ -52,5 +51,5 @@ def new_driver(
 
         if agents is None:
             raise ValueError("an agent task needs the rank's endpoint (AgentServing.start)")
-        return AgentDriver(engine, task, tokenizer, agents.endpoint, agents.runner, rewards)
+        return AgentDriver(engine, task, tokenizer, agents.host, rewards)
     return TurnDriver(engine, task, tokenizer, tool_workers, rewards)

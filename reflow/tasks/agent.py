@@ -65,14 +65,15 @@ class AgentTask:
     def reward(self, problem: Problem, completion: str) -> float:
         raise RuntimeError("an agent task's reward is what its agent returns (reflow.serving.agents)")
 
-    async def run_episode(self, endpoint, route: str, problem: Problem, http_client=None) -> Any:
-        """One episode: the agent with a client of its own (over ``http_client`` when given), under the time
-        limit; the client closed after."""
+    async def run_episode(self, base_url: str, api_key: str, row: dict, http_client=None) -> Any:
+        """One episode: the agent with a client of its own at ``base_url`` (over ``http_client`` when given),
+        under the time limit; the client closed after. Runs in the agents' process
+        (``reflow.serving.agent_host``)."""
         import openai
 
-        client = openai.AsyncOpenAI(base_url=endpoint.episode_url(route), api_key=endpoint.api_key, max_retries=0,
-                                    timeout=self.timeout_s, http_client=http_client)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.timeout_s,
+                                    http_client=http_client)
         try:
-            return await asyncio.wait_for(self.agent(client, agent_row(problem, endpoint.name)), self.timeout_s)
+            return await asyncio.wait_for(self.agent(client, row), self.timeout_s)
         finally:
             await client.close()

@@ -38,8 +38,8 @@ def tokenizer():
 
 
 def _driver(tokenizer) -> AgentDriver:
-    # (the token logic needs neither the engine nor the endpoint)
-    return AgentDriver(None, _Task(), tokenizer, None, None)
+    # (the token logic needs neither the engine nor the agents' process)
+    return AgentDriver(None, _Task(), tokenizer, None)
 
 
 def _chat(messages, tokenizer, tools=TOOLS) -> Call:
@@ -109,6 +109,12 @@ def _completion(tokenizer, text: str) -> Call:
     return Call(tokenizer.encode(text), None, "max_tokens", 1, 1.0, 1.0, ("</calc>",), None, text=text)
 
 
+def _answered(episode: Episode, call: Call) -> None:
+    """The turn answered to ``call``, as ``AgentDriver._answer`` keeps it."""
+    req = episode.request
+    episode.last_completion = (call, req.output_ids[episode.turn_start:], req.stop_reason)
+
+
 def test_a_completion_agent_may_leave_out_the_stop_string(tokenizer):
     """The API's text ends before the stop string and leaves special tokens out; an agent that sends its text
     back so continues the trajectory, which keeps every sampled token, over as many calls as it makes; one
@@ -120,7 +126,7 @@ def test_a_completion_agent_may_leave_out_the_stop_string(tokenizer):
         episode = Episode("r", Request("a", list(first.prompt_ids), 200, seed=0, stop=("</calc>",)))
         _sampled(episode, tokenizer, "<calc>3+5</calc>")
         episode.request.stop_reason = "</calc>"
-        driver._saw(episode, first)
+        _answered(episode, first)
         second = _completion(tokenizer, "Calc: 3+5+1=<calc>3+5" + stop + "<result>8</result>\n")
         added = driver._new_tokens(episode, second)
         assert _decode(tokenizer, added) == "<result>8</result>\n"
@@ -129,7 +135,7 @@ def test_a_completion_agent_may_leave_out_the_stop_string(tokenizer):
         # the second turn: a special token inside it (the API's text leaves it out), and the stop string again
         _sampled(episode, tokenizer, "<calc>8<|bos|>+1</calc>")
         episode.request.stop_reason = "</calc>"
-        driver._saw(episode, second)
+        _answered(episode, second)
         third = _completion(tokenizer, "Calc: 3+5+1=<calc>3+5" + stop + "<result>8</result>\n<calc>8+1" + stop
                             + "<result>9</result>\n")
         added = driver._new_tokens(episode, third)

@@ -10,12 +10,15 @@
   - malformed calls (n = 2, another temperature, a body that is not JSON, a wrong key): OpenAI's error shape
     with a 4xx status, and the episode goes on;
   - a run stopped with turns in the engine: every turn aborted, its call refused, every agent cancelled.
+The agents run in the agents' process (``reflow.serving.agent_host``, which imports this module as ``__main__``):
+what they saw comes back through a JSON-lines file (``AGENT_RECORDS``).
 """
 
 import asyncio
 import json
 import os
 import sys
+import time
 
 import httpx
 import openai
@@ -31,9 +34,27 @@ from reflow.serving.drivers import AgentServing, new_driver
 from reflow.tasks.agent import AgentTask
 from reflow.tasks.base import Problem
 
-RETURNED: dict[str, list[list[int]]] = {}
-"""Each episode's calls' token_ids, as the client received them, by the row id + a counter."""
-STATUS: dict[str, list] = {}
+
+def record(kind: str, value, key: str | None = None) -> None:
+    """From an agent, in the agents' process: one line of what it saw."""
+    with open(os.environ["AGENT_RECORDS"], "a") as f:
+        f.write(json.dumps({"kind": kind, "key": key, "value": value}) + "\n")
+
+
+def records() -> list[dict]:
+    if not os.path.exists(os.environ["AGENT_RECORDS"]):
+        return []
+    with open(os.environ["AGENT_RECORDS"]) as f:
+        return [json.loads(line) for line in f]
+
+
+def status() -> dict[str, list]:
+    """Every record but the calls' tokens, by kind."""
+    out: dict[str, list] = {}
+    for line in records():
+        if line["kind"] != "returned":
+            out.setdefault(line["kind"], []).append(line["value"])
+    return out
 
 
 class RecordingClient:
@@ -45,7 +66,7 @@ class RecordingClient:
 
     async def create(self, **kwargs):
         out = await self.client.completions.create(**kwargs)
-        RETURNED.setdefault(self.key, []).append(list(out.choices[0].model_extra["token_ids"]))
+        record("returned", list(out.choices[0].model_extra["token_ids"]), self.key)
         return out
 
 
@@ -59,12 +80,11 @@ async def chat(client, row):
     first = await client.chat.completions.create(model=row["model"], messages=messages, tools=tools, max_tokens=12,
                                                  logprobs=True)
     reply = first.choices[0].message
-    STATUS.setdefault("chat_logprobs", []).append(len(first.choices[0].logprobs.content))
+    record("chat_logprobs", len(first.choices[0].logprobs.content))
     messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
     second = await client.chat.completions.create(model=row["model"], messages=messages, max_tokens=12)
-    STATUS.setdefault("chat_prompt_extends", []).append(
-        second.model_extra["prompt_token_ids"][: len(first.model_extra["prompt_token_ids"])]
-        == first.model_extra["prompt_token_ids"])
+    record("chat_prompt_extends", second.model_extra["prompt_token_ids"][: len(first.model_extra["prompt_token_ids"])]
+           == first.model_extra["prompt_token_ids"])
     return 1.0
 
 
@@ -100,7 +120,7 @@ async def malformed(client, row):
         codes.append([answer.status_code, sorted(answer.json()["error"])])
         answer = await raw.post(url, json={"model": row["model"], "prompt": "1"}, headers={"Authorization": "Bearer no"})
         codes.append([answer.status_code, answer.json()["error"]["code"]])
-    STATUS["malformed"] = codes
+    record("malformed", codes)
     out = await client.completions.create(model=row["model"], prompt=row["prompt"], max_tokens=4)  # it goes on
     return float(len(out.choices[0].token_ids) > 0)
 
@@ -109,15 +129,16 @@ async def long_call(client, row):
     try:
         await client.completions.create(model=row["model"], prompt=row["prompt"], max_tokens=100)
     except openai.APIStatusError as error:  # the call refused (503), if the answer beats the cancellation
-        STATUS.setdefault("dropped", []).append(error.status_code)
+        record("dropped", error.status_code)
         raise
     except asyncio.CancelledError:  # the agent cancelled while it waits
-        STATUS.setdefault("dropped", []).append("cancelled")
+        record("dropped", "cancelled")
         raise
     return 1.0
 
 
 def main():
+    os.environ["AGENT_RECORDS"] = sys.argv[1] + ".records.jsonl"
     cfg = JobConfig()
     cfg.rollout.max_new_tokens = 160
     recipe = load_recipe("tiny_tools")
@@ -154,7 +175,11 @@ def main():
             driver.resume(held)
             synced = True
     exact, layouts = True, True
-    calls_by_episode = sorted(RETURNED.values(), key=len)
+    returned: dict[str, list[list[int]]] = {}
+    for line in records():
+        if line["kind"] == "returned":
+            returned.setdefault(line["key"], []).append(line["value"])
+    calls_by_episode = sorted(returned.values(), key=len)
     for req in finished:
         model = [t for a, b in req.model_spans for t in req.output_ids[a:b]]
         layouts &= len(req.logprobs) == len(req.versions) == len(model) and req.versions == sorted(req.versions)
@@ -174,7 +199,7 @@ def main():
         "rewards_as_builtin": sum(
             r.reward == TASK.reward(r.meta["problem"], tok.tok.decode(r.output_ids, skip_special_tokens=True))
             for r in finished),
-        "routes_left": len(serving.endpoint.drivers),
+        "routes_left": len(serving.host.drivers),
     }
     serving.close()
 
@@ -189,10 +214,10 @@ def main():
             "finished": len(done), "failures": sorted({r.meta["agent_failure"] for r in done}),
             "rewards": sorted({r.reward for r in done}), "calls": sorted({len(r.model_spans) for r in done}),
             "mismatches": sum(r.meta["token_mismatches"] for r in done), "engine_left": engine.num_active,
-            "routes_left": len(serving.endpoint.drivers),
+            "routes_left": len(serving.host.drivers),
         }
         serving.close()
-    report["status"] = STATUS
+    report["status"] = {kind: values[-1] if kind == "malformed" else values for kind, values in status().items()}
 
     # 3. a stop with turns in the engine
     driver, serving = driver_for("long_call")
@@ -203,11 +228,11 @@ def main():
         driver.step()
     dropped = driver.drop_all()
     for _ in range(100):  # the refusals reach the agents on their own loop
-        if len(STATUS.get("dropped", [])) == len(requests):
+        if len(status().get("dropped", [])) == len(requests):
             break
-        asyncio.run(asyncio.sleep(0.05))
+        time.sleep(0.05)
     report["stop"] = {"dropped": len(dropped), "engine_left": engine.num_active, "active_left": driver.num_active,
-                      "refused": STATUS.get("dropped", []), "routes_left": len(serving.endpoint.drivers)}
+                      "refused": status().get("dropped", []), "routes_left": len(serving.host.drivers)}
     serving.close()
 
     with open(sys.argv[1], "w") as f:
