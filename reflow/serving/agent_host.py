@@ -44,7 +44,7 @@ import ssl
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from reflow.serving.openai_api import Call, Completion, OpenAIError
 
@@ -52,6 +52,14 @@ if TYPE_CHECKING:
     from reflow.config.job_config import RolloutSection
     from reflow.rollout.tokenizer import PromptTokenizer
     from reflow.tasks.agent import AgentTask
+
+STARTING_AT_ONCE = 16
+"""Agents started and yet to make their first call, at most; the rest of the episodes wait their turn to start.
+One event loop runs every agent in turn: started all at once, a step's hundreds of agents would each build and
+send their first request before the first of them reached the engine (a quarter of a second of the engine idle
+at the start of each step, measured with 256), where 16 at a time let the engine start within milliseconds and
+the later agents start while it generates. An agent slow to make its first call holds a place until it calls or
+ends (at most ``task.agent_timeout_s``)."""
 
 START_TIMEOUT_S = 180.0
 """The agents' process imports the server, the tokenizer and the agent's module before it serves."""
@@ -322,8 +330,10 @@ class EpisodeBackend:
     """The endpoint's ``Backend`` in the agents' process: a call to a live episode goes to the engine's side,
     and waits for its turn there."""
 
-    def __init__(self, settings: HostSettings, tokenizer, sender: _Sender):
+    def __init__(self, settings: HostSettings, tokenizer, sender: _Sender, on_call: Callable[[str], None]):
         self.name, self.max_model_len, self.tokenizer = settings.name, settings.max_model_len, tokenizer
+        self.on_call = on_call
+        """Told each call's route (an episode's first call lets the next waiting agent start)."""
         self.temperature, self.top_p = settings.temperature, settings.top_p
         self.sender = sender
         self.routes: set[str] = set()
@@ -346,6 +356,7 @@ class EpisodeBackend:
         if route not in self.routes:
             raise OpenAIError(404, f"no episode {route!r} in flight (it ended, failed or was dropped)", None,
                               "episode_not_found")
+        self.on_call(route)
         call_id = next(self.ids)
         answer = asyncio.get_running_loop().create_future()
         self.calls[call_id] = (route, answer)
@@ -378,6 +389,10 @@ class AgentsProcess:
         self.conn, self.settings = conn, settings
         self.sender = _Sender(conn)
         self.agents: dict[str, asyncio.Task] = {}
+        self.waiting: dict[str, dict] = {}
+        """Episodes to start, in order, with their rows (``STARTING_AT_ONCE``)."""
+        self.starting: set[str] = set()
+        """Agents started that have made no call yet."""
         self.ended_by_engine: set[str] = set()
         self.stopped = asyncio.Event()
 
@@ -395,7 +410,7 @@ class AgentsProcess:
         except Exception as error:  # noqa: BLE001 - reported to the engine's side, which raises it
             self.conn.send(StartFailed(f"{type(error).__name__}: {error}"))
             return
-        self.backend = EpisodeBackend(self.settings, tokenizer, self.sender)
+        self.backend = EpisodeBackend(self.settings, tokenizer, self.sender, self._called)
         self.api_key = new_api_key()
         self.ssl = ssl.create_default_context()
         """Built once: an HTTP client builds one otherwise (loading the CA bundle), which took most of the
@@ -443,20 +458,33 @@ class AgentsProcess:
     def _handle(self, message) -> None:
         if isinstance(message, StartEpisode):
             self.backend.routes.add(message.route)
-            self.agents[message.route] = asyncio.get_running_loop().create_task(
-                self._episode(message.route, message.row))
+            self.waiting[message.route] = message.row
+            self._start_waiting()
         elif isinstance(message, Answer):
             self.backend.resolve(message.call_id, message.completions, None)
         elif isinstance(message, Refuse):
             self.backend.resolve(message.call_id, None, message.refusal.error())
         elif isinstance(message, EndEpisode):
             self.backend.end(message.route)
+            self.waiting.pop(message.route, None)
             agent = self.agents.get(message.route)
             if agent is not None and not agent.done():
                 self.ended_by_engine.add(message.route)
                 agent.cancel()
         elif isinstance(message, Shutdown):
             self.stopped.set()
+
+    def _start_waiting(self) -> None:
+        while self.waiting and len(self.starting) < STARTING_AT_ONCE:
+            route = next(iter(self.waiting))
+            row = self.waiting.pop(route)
+            self.starting.add(route)
+            self.agents[route] = asyncio.get_running_loop().create_task(self._episode(route, row))
+
+    def _called(self, route: str) -> None:
+        if route in self.starting:
+            self.starting.discard(route)
+            self._start_waiting()
 
     async def _episode(self, route: str, row: dict) -> None:
         import httpx
@@ -475,16 +503,20 @@ class AgentsProcess:
         except asyncio.CancelledError:
             if route in self.ended_by_engine:
                 self.ended_by_engine.discard(route)
-                self.agents.pop(route, None)
+                self._gone(route)
                 return  # (the engine's side ended it: it needs no word back)
             ended.failure, ended.detail = "error", "the agent was cancelled"
         except TimeoutError:
             ended.failure = "timeout"
         except Exception as error:  # noqa: BLE001 - the agent's own bug: a scored failure, not the run's
             ended.failure, ended.detail = "error", f"{type(error).__name__}: {error}"
-        self.agents.pop(route, None)
+        self._gone(route)
         self.backend.end(route)
         self.sender.send(ended)
+
+    def _gone(self, route: str) -> None:
+        self.agents.pop(route, None)
+        self._called(route)  # (its place among the starting agents, if it held one)
 
 
 __all__ = ["AgentEnded", "AgentHost", "CallMade", "HostSettings"]
