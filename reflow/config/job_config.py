@@ -545,6 +545,42 @@ class SchedulerSection:
     idle_windows: int = limited(2, ge=1)
 
 
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraSection:
+    """LoRA adapters on the policy (``reflow.trainer.lora``): the base model frozen, a low-rank update of the
+    target projections trained."""
+
+    rank: int = limited(0, ge=0)
+    """Rank r of every adapter (0: no LoRA, the whole model trains)."""
+    alpha: float = limited(16.0, gt=0)
+    """Each adapter adds (alpha / rank) * B A x."""
+    dropout: float = limited(0.0, ge=0, lt=1)
+    """Dropout on an adapter's input, in the training forward only."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_PROJECTIONS))
+    """The projections of every layer that get an adapter, by their Hugging Face names."""
+    train_embeddings: bool = False
+    """Train the token embeddings in full beside the adapters."""
+    train_head: bool = False
+    """Train the output head in full beside the adapters (with tied embeddings: set both or neither)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def rules(self) -> list[tuple[str, str]]:
+        if not self.target_modules:
+            return [("target_modules", "is empty: name the projections to adapt, e.g. [\"q_proj\", \"v_proj\"]")]
+        unknown = [name for name in self.target_modules if name not in LORA_PROJECTIONS]
+        if unknown:
+            return [("target_modules", f"{unknown} match no projection (use {', '.join(LORA_PROJECTIONS)})")]
+        if len(set(self.target_modules)) != len(self.target_modules):
+            return [("target_modules", f"names a projection twice: {self.target_modules}")]
+        return []
+
+
 @dataclass
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
@@ -563,3 +599,4 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    lora: LoraSection = field(default_factory=LoraSection)

@@ -95,8 +95,11 @@ def carry_optimizer_state(new_opt: torch.optim.Optimizer, new_model, old_opt: to
 
 
 def zero_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module) -> None:
-    """AdamW state as its lazy init makes it (step 0, zero moments), for a load or a transfer to fill."""
+    """AdamW state as its lazy init makes it (step 0, zero moments), for a load or a transfer to fill: for the
+    trained parameters (a frozen one, a LoRA run's base, has none)."""
     for param in model.parameters():
+        if not param.requires_grad:
+            continue
         opt.state[param] = {
             # as AdamW's own lazy init: step on the CPU (the default, neither fused nor capturable, which keep it
             # on the device), in the default scalar dtype
@@ -108,13 +111,16 @@ def zero_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module) -> 
 
 def shard_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, reference: torch.nn.Module | None) -> list[torch.Tensor]:
     """This rank's shard of everything a trainer replica holds, in a canonical order: per parameter, the
-    parameter, AdamW's exp_avg, exp_avg_sq and step; then the frozen reference's parameters. Two ranks with
-    the same shard index derive the same shapes and dtypes, so a transfer needs no metadata."""
+    parameter, and for a trained one AdamW's exp_avg, exp_avg_sq and step; then the frozen reference's
+    parameters. Two ranks with the same shard index derive the same shapes and dtypes (and which parameters
+    train), so a transfer needs no metadata."""
     reshard(model)
     out = []
     for param in model.parameters():
-        state = opt.state[param]
-        out += [param.to_local(), state["exp_avg"].to_local(), state["exp_avg_sq"].to_local(), state["step"]]
+        out.append(param.to_local())
+        if param.requires_grad:
+            state = opt.state[param]
+            out += [state["exp_avg"].to_local(), state["exp_avg_sq"].to_local(), state["step"]]
     if reference is not None:
         out += list(local_shards(reference).values())
     return out

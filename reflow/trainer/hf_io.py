@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from reflow.trainer.hf_shards import ShardWriter
+from reflow.trainer.lora import adapters_of, merge
 
 HF_SIDE_FILES = (
     "config.json",
@@ -33,6 +34,12 @@ HF_SIDE_FILES = (
 def is_derived_buffer(key: str) -> bool:
     """A state-dict entry derived at build time (the RoPE cache), never in a checkpoint or an export."""
     return "rope" in key or "freqs" in key
+
+
+def is_lora_key(key: str) -> bool:
+    """A LoRA adapter's tensor (``reflow.trainer.lora``): never in a base checkpoint; merged into its projection
+    in an export and a weight sync."""
+    return key.endswith((".lora_a", ".lora_b"))
 
 
 def build_adapter(model_config, hf_dir: str | None):
@@ -112,7 +119,7 @@ def load_hf_into(model: torch.nn.Module, adapter, hf_dir: str, process_group=Non
     hf_state = adapter.to_hf(state)
     dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(hf_dir), process_group=process_group)
     missing, unexpected = model.load_state_dict(adapter.from_hf(hf_state), strict=False)
-    missing = [m for m in missing if not is_derived_buffer(m)]
+    missing = [m for m in missing if not is_derived_buffer(m) and not is_lora_key(m)]  # (adapters: init_lora)
     if missing or unexpected:
         raise ValueError(f"{hf_dir}: checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
@@ -124,19 +131,25 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def export_hf(model: torch.nn.Module, adapter, out_dir: str, source_dir: str, group=None,
-              shard_bytes: int = 5 * 2**30) -> None:
+              shard_bytes: int = 5 * 2**30, lora_scale: float = 0.0) -> None:
     """Write the policy as a HF folder of float32 safetensors shards. Every trainer rank of ``group`` calls: each
     tensor is gathered on the mesh, one at a time, and shard k is written by the k-th rank of the group modulo
     its size (``reflow.trainer.hf_shards``), so no rank holds more than one shard on the host (never the whole
-    float32 model on one rank: 131 GB for 32B). The tokenizer and config files come from ``source_dir``."""
+    float32 model on one rank: 131 GB for 32B). The tokenizer and config files come from ``source_dir``. A LoRA
+    run's projections are written merged (``lora_scale``: alpha / rank)."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     writer = ShardWriter(out_dir, shard_bytes, writer=rank, writers=size)
     count = 0
-    for key, value in model.state_dict().items():
-        if not value.is_floating_point() or is_derived_buffer(key):
+    state = model.state_dict()
+    adapted = adapters_of(state, state)
+    for key, value in state.items():
+        if not value.is_floating_point() or is_derived_buffer(key) or is_lora_key(key):
             continue
         full = full_tensor(value)  # collective: every trainer rank gathers, one tensor at a time
+        if key in adapted:  # a LoRA run: the projection as the policy has it, W + (alpha / r) B A
+            a, b = (full_tensor(state[k]) for k in adapted[key])
+            full = merge(full, a, b, lora_scale)
         for hf_name, hf_value in adapter.to_hf({key: full.detach()}).items():
             writer.add(hf_name, hf_value.numel() * 4, lambda hf_value=hf_value: hf_value.to("cpu", torch.float32))
             count += 1

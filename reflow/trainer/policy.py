@@ -36,7 +36,7 @@ from reflow.algorithms.kl import kl_estimate, kl_shaped_advantages
 from reflow.algorithms.off_policy import mismatch
 from reflow.algorithms.settings import Objective, lr_schedule
 from reflow.algorithms.settings import objective as run_objective
-from reflow.config.job_config import JobConfig, TrainingSection
+from reflow.config.job_config import JobConfig, LoraSection, TrainingSection
 from reflow.distributed.buckets import broadcast_tensors
 from reflow.distributed.utils import TrainerLayout
 from reflow.model.qwen3 import build_model_config, build_on_meta, init_buffers
@@ -53,6 +53,7 @@ from reflow.trainer.elastic import (
 )
 from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
 from reflow.trainer.logprobs import chunked_token_logprobs
+from reflow.trainer.lora import apply_lora, init_lora, model_projections, trainable_parameters
 from reflow.trainer.offload import HostParking
 from reflow.trainer.parallelize import (
     apply_block_compile,
@@ -132,10 +133,13 @@ class PolicyTrainer:
 
     def __init__(
         self, training: TrainingSection, attention: str, objective: Objective, recipe: Recipe, hf_dir: str,
-        layouts: dict[int, TrainerLayout], replicas: int, device: torch.device,
+        layouts: dict[int, TrainerLayout], replicas: int, device: torch.device, lora: LoraSection | None = None,
+        seed: int = 0,
     ):
         """``training``: the run's [training] section; ``attention``: model.attention; ``objective``: what it optimizes
-        (``reflow.algorithms.settings.objective``). ``from_config`` builds all three from a run's config."""
+        (``reflow.algorithms.settings.objective``); ``lora``: the [lora] section (adapters on a frozen base, or
+        None / rank 0: the whole model trains), its adapters drawn from ``seed``. ``from_config`` builds them
+        from a run's config."""
         self.training = training
         self.attention = attention
         self.device = device
@@ -153,6 +157,9 @@ class PolicyTrainer:
         self.model_config = build_model_config(recipe, attention)
         self.adapter = build_adapter(self.model_config, hf_dir)
         self.hf_dir = hf_dir
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.lora_scale = self.lora.alpha / self.lora.rank if self.lora is not None else 0.0
+        self.projections = model_projections(self.adapter)
         if attention == "flex":  # torchtitan compiles flex attention itself, with or without training.compile
             refuse_eager_fallback()
         # 2. one FSDP skeleton (policy, and reference when the KL penalty is on) per placement this rank can
@@ -171,6 +178,8 @@ class PolicyTrainer:
                     with torch.no_grad():
                         init_buffers(module, device)  # every parameter comes from the checkpoint
                     load_hf_into(module, self.adapter, hf_dir, process_group=self.layout.group)
+            if self.lora is not None:
+                init_lora(self.model, seed)  # after the base: A drawn, B = 0 (the base model, exactly)
             # 4. AdamW over the local shards, its state created now so a transfer or a checkpoint can fill it
             self.optimizer = self._new_optimizer(self.model)
             zero_optimizer_state(self.optimizer, self.model)
@@ -183,7 +192,8 @@ class PolicyTrainer:
         device: torch.device,
     ) -> "PolicyTrainer":
         """The trainer of a run: its [training] section, model.attention and ``objective(cfg)``."""
-        return cls(cfg.training, cfg.model.attention, run_objective(cfg), recipe, hf_dir, layouts, replicas, device)
+        return cls(cfg.training, cfg.model.attention, run_objective(cfg), recipe, hf_dir, layouts, replicas, device,
+                   cfg.lora, cfg.job.seed)
 
     def _skeleton_pair(self, layout: TrainerLayout) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         training = self.training
@@ -192,6 +202,8 @@ class PolicyTrainer:
         def skeleton(trainable: bool) -> torch.nn.Module:
             module = build_on_meta(self.model_config)
             module._skip_lm_head = True  # forward returns the final hidden states: ``chunked_token_logprobs``
+            if trainable and self.lora is not None:  # (before the wrappers: the adapters' paths are the layers')
+                apply_lora(module, self.lora, self.projections)
             if trainable and training.activation_checkpointing == "full":
                 apply_full_activation_checkpointing(module)
             if trainable and training.compile:  # the reference runs one forward per step: not worth a compile
@@ -208,7 +220,7 @@ class PolicyTrainer:
     def _new_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         training = self.training
         return torch.optim.AdamW(
-            model.parameters(), lr=training.lr, betas=tuple(training.betas), weight_decay=training.weight_decay, eps=1e-8
+            trainable_parameters(model), lr=training.lr, betas=tuple(training.betas), weight_decay=training.weight_decay, eps=1e-8
         )
 
     @property
@@ -587,7 +599,7 @@ class PolicyTrainer:
         """The policy as a HF folder (``reflow.trainer.hf_io.export_hf``): every rank of the placement calls, and
         the shards are written by the ranks in turn."""
         self.unpark()
-        export_hf(self.model, self.adapter, out_dir, self.hf_dir, group=self.group)
+        export_hf(self.model, self.adapter, out_dir, self.hf_dir, group=self.group, lora_scale=self.lora_scale)
 
     # ---- Stateful (distributed checkpoint) -------------------------------------
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from reflow.distributed.buckets import gather_full
 from reflow.distributed.placement import Placement
 from reflow.model.qwen3 import build_on_meta
+from reflow.trainer.lora import adapters_of, merge
 
 
 @dataclass
@@ -97,10 +98,21 @@ class WeightSync:
     def _bucket_tensors(self, trainer, state: dict, bucket) -> list[tuple[str, torch.Tensor]]:
         """The bucket's full tensors under their HF names, in the engine's dtype: one all-gather on the
         trainer mesh for the bucket, of shards cast before it (a cast is per element: the same values as
-        casting the gathered tensor, bitwise)."""
-        fulls = gather_full([_cast(state[tt_name].detach(), self.plan.dtype) for tt_name, _, _ in bucket])
+        casting the gathered tensor, bitwise). A LoRA run's adapted projections are gathered apart, in float32
+        with their adapters, and merged (W + (alpha / r) B A) before the cast: the engine serves the adapted
+        model (``reflow.trainer.lora``)."""
+        names = [tt_name for tt_name, _, _ in bucket]
+        adapted = adapters_of(state, names)
+        plain = [name for name in names if name not in adapted]
+        fulls = dict(zip(plain, gather_full([_cast(state[name].detach(), self.plan.dtype) for name in plain])))
+        if adapted:
+            keys = [key for name, pair in adapted.items() for key in (name, *pair)]
+            gathered = dict(zip(keys, gather_full([_cast(state[key].detach(), torch.float32) for key in keys])))
+            for name, (a, b) in adapted.items():
+                fulls[name] = merge(gathered[name], gathered[a], gathered[b], trainer.lora_scale).to(self.plan.dtype)
         out = []
-        for (tt_name, hf_name, shape), full in zip(bucket, fulls):
+        for tt_name, hf_name, shape in bucket:
+            full = fulls[tt_name]
             hf = trainer.adapter.to_hf({tt_name: full})
             out.append((hf_name, hf[hf_name].reshape(shape)))
         return out
