@@ -56,7 +56,14 @@ def export_checkpoint(argv: list[str]) -> dict:
     model_cfg = build_model_config(recipe, cfg.model.attention)
     adapter = build_adapter(model_cfg, source)
     out = args.out or os.path.join(cfg.job.dump_folder, f"hf_step{step}")
-    names = _write_shards(checkpoints._path(step), build_on_meta(model_cfg), adapter, out, int(args.shard_gib * 2**30))
+    meta = build_on_meta(model_cfg)
+    lora_scale = 0.0
+    if cfg.lora.enabled:  # a LoRA run's checkpoint holds the base and the adapters: written merged
+        from reflow.trainer.lora import apply_lora, model_projections
+
+        apply_lora(meta, cfg.lora, model_projections(adapter))
+        lora_scale = cfg.lora.alpha / cfg.lora.rank
+    names = _write_shards(checkpoints._path(step), meta, adapter, out, int(args.shard_gib * 2**30), lora_scale)
     for name in HF_SIDE_FILES:
         if os.path.exists(os.path.join(source, name)):
             shutil.copy(os.path.join(source, name), os.path.join(out, name))
@@ -66,21 +73,32 @@ def export_checkpoint(argv: list[str]) -> dict:
     return {"out": out, "step": step, "num_tensors": len(names)}
 
 
-def _write_shards(checkpoint: str, meta_model, adapter, out: str, shard_bytes: int) -> list[str]:
+def _write_shards(checkpoint: str, meta_model, adapter, out: str, shard_bytes: int, lora_scale: float = 0.0) -> list[str]:
     """Every parameter read alone from the checkpoint (DCP reads just its bytes), renamed for HF, in float32,
-    streamed into shards of at most ``shard_bytes`` (``reflow.trainer.hf_shards``); returns the HF names written."""
+    streamed into shards of at most ``shard_bytes`` (``reflow.trainer.hf_shards``); returns the HF names written.
+    A LoRA run's projections are read with their adapters and written merged (``lora_scale``: alpha / rank)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from reflow.trainer.hf_io import is_derived_buffer
+    from reflow.trainer.hf_io import is_derived_buffer, is_lora_key
     from reflow.trainer.hf_shards import ShardWriter
+    from reflow.trainer.lora import adapters_of, merge
+
+    def read(key: str, shape) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=torch.float32)
+        dcp.load({"trainer": {"model": {key: tensor}}}, checkpoint_id=checkpoint, no_dist=True)
+        return tensor
 
     writer = ShardWriter(out, shard_bytes)
-    for key, meta in meta_model.state_dict().items():
-        if not meta.is_floating_point() or is_derived_buffer(key):
-            continue  # not in a checkpoint
-        tensor = torch.empty(meta.shape, dtype=torch.float32)
-        dcp.load({"trainer": {"model": {key: tensor}}}, checkpoint_id=checkpoint, no_dist=True)
+    state = meta_model.state_dict()
+    adapted = adapters_of(state, state)
+    for key, meta in state.items():
+        if not meta.is_floating_point() or is_derived_buffer(key) or is_lora_key(key):
+            continue  # not in a checkpoint, or merged into its projection
+        tensor = read(key, meta.shape)
+        if key in adapted:
+            a, b = (read(name, state[name].shape) for name in adapted[key])
+            tensor = merge(tensor, a, b, lora_scale)
         for hf_name, value in adapter.to_hf({key: tensor}).items():
             writer.add(hf_name, value.numel() * value.element_size(), lambda value=value: value)
     return writer.close()

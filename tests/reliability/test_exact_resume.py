@@ -6,6 +6,7 @@ import glob
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -28,13 +29,15 @@ def _rows(dump: str) -> dict[int, dict]:
     return {r["step"]: r for r in (json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))) if "loss" in r}
 
 
-def test_sync_six_steps_straight_equal_three_resume_three(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sync_six_steps_straight_equal_three_resume_three(tmp_path, lora):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     # a learning-rate warmup that straddles the checkpoint: the resumed run continues it from the saved update count
-    warmup = "--training.warmup_steps=4"
-    _train(straight, 6, warmup)
-    _train(resumed, 3, warmup, "--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.export_hf=false")
-    _train(resumed, 6, warmup, "--checkpoint.enable=true", "--checkpoint.interval=3")
+    # (with LoRA: the adapters and their optimizer state come back; the export is the merged policy)
+    extra = ("--training.warmup_steps=4", *(("--lora.rank=8",) if lora else ()))
+    _train(straight, 6, *extra)
+    _train(resumed, 3, *extra, "--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.export_hf=false")
+    _train(resumed, 6, *extra, "--checkpoint.enable=true", "--checkpoint.interval=3")
     a, b = _rows(straight), _rows(resumed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):  # the same sample stream: rewards and lengths step by step
