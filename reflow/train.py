@@ -414,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         out = os.path.join(cfg.job.dump_folder, "hf_final")
         parts.trainer.export_hf(out)
         parts.logger.info(f"exported the policy in Hugging Face format to {out}")
+        if parts.trainer.lora is not None and not (cfg.lora.train_embeddings or cfg.lora.train_head):
+            adapters = os.path.join(cfg.job.dump_folder, "adapter_final")
+            parts.trainer.export_adapter(adapters)
+            parts.logger.info(f"exported the LoRA adapters in peft format to {adapters} (base: {parts.trainer.hf_dir})")
     parts.logger.close()
     parts.timeline.close()
     if parts.agents is not None:  # the endpoint's server and the agents' loop (no episode is left by now)

@@ -51,7 +51,7 @@ from reflow.trainer.elastic import (
     zero_optimizer_state,
     zero_shards,
 )
-from reflow.trainer.hf_io import build_adapter, export_hf, load_hf_into
+from reflow.trainer.hf_io import build_adapter, export_hf, export_peft_adapter, load_hf_into
 from reflow.trainer.logprobs import chunked_token_logprobs
 from reflow.trainer.lora import apply_lora, init_lora, model_projections, trainable_parameters
 from reflow.trainer.offload import HostParking
@@ -600,6 +600,14 @@ class PolicyTrainer:
         the shards are written by the ranks in turn."""
         self.unpark()
         export_hf(self.model, self.adapter, out_dir, self.hf_dir, group=self.group, lora_scale=self.lora_scale)
+
+    def export_adapter(self, out_dir: str) -> int:
+        """A LoRA policy's adapters as a ``peft`` folder (``reflow.trainer.hf_io.export_peft_adapter``) for the
+        source checkpoint; every rank of the placement calls."""
+        if self.lora is None:
+            raise ValueError("export_adapter: this policy has no LoRA adapters (lora.rank = 0)")
+        self.unpark()
+        return export_peft_adapter(self.model, self.adapter, out_dir, self.hf_dir, self.lora, group=self.group)
 
     # ---- Stateful (distributed checkpoint) -------------------------------------
 

@@ -81,6 +81,13 @@ if rank == 0:
     report["export_differs_from_base"] = float((exported["model.layers.0.self_attn.q_proj.weight"] - w).abs().max())
     report["export_has_adapter_tensors"] = any("lora" in key for key in exported)
 
+# the peft adapter folder, and the log-probs the trainer gives to a probe (the test loads the folder with peft)
+report["adapter_modules"] = adapted.export_adapter(os.path.join(out_dir, "adapter"))
+probe_tokens = [3, 17, 5, 9, 22, 4, 11, 8, 19, 6]
+peft_probe = pack([probe_tokens[:4]], [probe_tokens[4:]], [[-1.0] * 6], [[0] * 6], [1.0], [1.0], [0.0], 0)
+report["peft_probe_tokens"] = probe_tokens
+report["trainer_logprobs"] = adapted.compute_logprobs(peft_probe)[0].tolist()
+
 # a checkpoint's state dict into a fresh LoRA trainer
 saved = adapted.state_dict()
 fresh = build(8)
