@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -69,6 +70,20 @@ def padding_stops(tokenizer) -> list[int]:
     return [pad] if pad is not None and pad != eos else []
 
 
+@dataclass(frozen=True)
+class AdapterSlots:
+    """A LoRA run's engine settings: the adapters' rank, and how many versions it keeps loaded at once (the
+    newest and the ``replay.delta`` before it: a trajectory on an older one is too stale to train)."""
+
+    rank: int
+    versions: int
+
+    @classmethod
+    def of(cls, lora, delta: int) -> "AdapterSlots | None":
+        """From the [lora] section and replay.delta (None without LoRA)."""
+        return cls(lora.rank, delta + 1) if lora.enabled else None
+
+
 class RolloutEngine:
     """The embedded vLLM engine as an ``Engine`` (``reflow.rollout.protocols``)."""
 
@@ -77,10 +92,13 @@ class RolloutEngine:
 
     def __init__(
         self, rollout: RolloutSection, recipe: Recipe, hf_dir: str, seed: int, *, keeps_weight_backup: bool = False,
+        adapters: "AdapterSlots | None" = None,
     ):
         """``rollout``: the run's [rollout] section. ``keeps_weight_backup``: this engine sleeps at level 1 again
         and again (sync mode with a sync every few steps), so its pinned weight
-        backup is worth keeping cached between sleeps; elsewhere a wake releases it."""
+        backup is worth keeping cached between sleeps; elsewhere a wake releases it. ``adapters``: a LoRA run's
+        adapter versions (``AdapterSlots``): the engine serves the base with one LoRA adapter per policy
+        version, and each request keeps the version it started on (``load_adapter``)."""
         set_vllm_env(rollout)
         quiet_vendor_logs()  # before vLLM's import, whose dependencies speak as it loads
         from vllm import LLM
@@ -116,6 +134,10 @@ class RolloutEngine:
             kwargs["block_size"] = r.kv_block_size
         if r.num_kv_blocks > 0:
             kwargs["num_gpu_blocks_override"] = r.num_kv_blocks
+        if adapters is not None:
+            # every version a request may still be on, in one batch: the newest and the delta before it
+            kwargs.update(enable_lora=True, max_lora_rank=adapters.rank, max_loras=adapters.versions,
+                          max_cpu_loras=adapters.versions)
         quiet_vendor_logs()  # (after vLLM's import set up its handlers)
         t0 = time.time()
         self.llm = LLM(**kwargs)
@@ -130,6 +152,10 @@ class RolloutEngine:
         self.rollout = rollout
         self.keeps_weight_backup = keeps_weight_backup
         self.version = 0
+        self.adapters = adapters
+        self.loaded: dict[int, object] = {}
+        """A LoRA run's adapters in the engine, by policy version (vLLM ``LoRARequest``s; version 0, the base
+        model exactly (B = 0), is served without one)."""
         self.asleep: set[str] = set()
         """vLLM's memory tags ("weights", "kv_cache") not mapped on the device now (CUDA; always empty on CPU)."""
         self.weights_discarded = False
@@ -176,7 +202,13 @@ class RolloutEngine:
         self._submissions += 1
         engine_id = f"{req.request_id}@{self._submissions}"
         prompt = TokensPrompt(prompt_token_ids=req.prompt_ids + req.output_ids)
-        self.engine.add_request(engine_id, prompt, self._params(req))
+        if self.adapters is None:
+            self.engine.add_request(engine_id, prompt, self._params(req))
+        else:  # the adapter it started on, to its end (a resubmitted request keeps it)
+            if req.adapter_version is None:
+                req.adapter_version = self.version
+            self.engine.add_request(engine_id, prompt, self._params(req),
+                                    lora_request=self.loaded.get(req.adapter_version))
         self.active[engine_id] = req
 
     @property
@@ -200,7 +232,8 @@ class RolloutEngine:
             comp = out.outputs[0]  # DELTA output: only the tokens generated in this step
             lps = comp.logprobs or []
             tokens = list(comp.token_ids)
-            req.append_model_tokens(tokens, [float(lps[k][tok].logprob) for k, tok in enumerate(tokens)], self.version)
+            version = self.version if req.adapter_version is None else req.adapter_version  # (the adapter that sampled)
+            req.append_model_tokens(tokens, [float(lps[k][tok].logprob) for k, tok in enumerate(tokens)], version)
             if out.finished:
                 req.finish_reason = comp.finish_reason
                 req.stop_reason = comp.stop_reason
@@ -255,6 +288,30 @@ class RolloutEngine:
         return done
 
     # ---- weights -------------------------------------------------------------
+
+    @property
+    def pins_versions(self) -> bool:
+        """A LoRA run's engine: a weight sync adds an adapter version and holds nothing (each request finishes
+        on the adapter it started on); otherwise a sync replaces the weights under held requests."""
+        return self.adapters is not None
+
+    def load_adapter(self, folder: str, version: int) -> float:
+        """Serve ``version``'s adapter (a peft folder) to new requests; requests in flight keep theirs, their KV
+        valid (vLLM keys cached blocks by adapter: none is shared across versions). Adapters no request uses
+        and older than the versions kept (``AdapterSlots.versions``) are removed. Returns seconds taken."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.time()
+        request = LoRARequest(f"policy-v{version}", version + 1, folder)
+        if not self.engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter of version {version} from {folder}")
+        self.loaded[version] = request
+        self.version = version
+        in_use = {req.adapter_version for req in self.active.values()}
+        for old in sorted(self.loaded):
+            if old <= version - self.adapters.versions and old not in in_use:
+                self.engine.remove_lora(self.loaded.pop(old).lora_int_id)
+        return time.time() - t0
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
         """Replace the engine's weights in place (HF names) and drop the prefix cache; returns seconds taken.

@@ -34,6 +34,9 @@ class Request:
     """One per model token (``model_spans``), in order: the environment's tokens have none."""
     versions: list[int] = field(default_factory=list)
     """The policy version that produced each model token."""
+    adapter_version: int | None = None
+    """A LoRA run: the adapter version this trajectory started on, which samples every token of it
+    (``RolloutEngine.load_adapter``); None: the engine's weights of the moment."""
     model_spans: list[list[int]] = field(default_factory=list)
     """[start, end) ranges of ``output_ids`` the model generated, one per model turn."""
     finish_reason: str | None = None
