@@ -230,17 +230,19 @@ def build_components(
     import torch
 
     from reflow.checkpoint import CheckpointManager
+    from reflow.config.mode_settings import resolve_settings
     from reflow.distributed import build_trainer_layouts, init_distributed
     from reflow.metrics import MetricsLogger
     from reflow.metrics.timeline import NullTimeline, Timeline
     from reflow.modes.base import Components
     from reflow.rewards import RewardMix
-    from reflow.rollout.engine import RolloutEngine
+    from reflow.rollout.engine import AdapterSlots, RolloutEngine
     from reflow.rollout.tokenizer import PromptTokenizer
     from reflow.serving.drivers import AgentServing, new_driver
     from reflow.tasks import build_task
     from reflow.trainer.policy import PolicyTrainer
     from reflow.weight_sync import WeightSync, build_sync_plan
+    from reflow.weight_sync.adapters import AdapterSync, build_adapter_plan
 
     # 1. the inputs ``check_inputs`` read, and the reward of the [reward] section
     hf_dir = resolve_hf_dir(cfg, recipe)
@@ -284,9 +286,13 @@ def build_components(
     # the ranks of one tensor-parallel engine share its seed: their scheduler copies must sample alike
     # sync mode with a sync every few steps sleeps its engines at level 1 again and again: the pinned weight
     # backup is worth keeping cached between sleeps (elsewhere a wake releases it)
+    # a LoRA run's engines serve the base with an adapter per policy version: the newest and every one a
+    # trajectory in flight may still be on (the mode's staleness bound)
+    staleness = 0 if cfg.training.mode == "sync" else resolve_settings(cfg).delta
     engine = RolloutEngine(
         cfg.rollout, recipe, hf_dir, seed=cfg.job.seed + rank // cfg.rollout.tensor_parallel_degree,
         keeps_weight_backup=cfg.training.mode == "sync" and cfg.weight_sync.interval > 1,
+        adapters=AdapterSlots(cfg.lora.rank, staleness + 1) if cfg.lora.syncs_adapters else None,
     )
     log.info(f"vLLM engines built in {time.time() - t0:.1f}s")
     if device.type == "cpu":
@@ -307,10 +313,15 @@ def build_components(
 
     model_cfg = build_model_config(recipe, cfg.model.attention)
     sync_dtype = torch.float32 if device.type == "cpu" else getattr(torch, recipe.vllm.dtype)
-    plan = build_sync_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.weight_sync.bucket_size_mb, sync_dtype)
     weight_syncs = {}
-    for there in feasible:  # the same order on every rank: new_group inside
-        weight_syncs[there.replicate_degree] = WeightSync(there, plan, rank, device)
+    if cfg.lora.syncs_adapters:  # a LoRA run: the adapters only, as a new version in every engine
+        adapter_plan = build_adapter_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.lora, hf_dir)
+        for there in feasible:  # the same order on every rank: new_group inside
+            weight_syncs[there.replicate_degree] = AdapterSync(there, adapter_plan, rank, device)
+    else:
+        plan = build_sync_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.weight_sync.bucket_size_mb, sync_dtype)
+        for there in feasible:  # the same order on every rank: new_group inside
+            weight_syncs[there.replicate_degree] = WeightSync(there, plan, rank, device)
     weight_sync = weight_syncs[placement.replicate_degree]
     # 6. the rest
     tokenizer = PromptTokenizer(hf_dir, cfg.task.chat)

@@ -273,6 +273,9 @@ class WorkerStats:
     """Weight syncs from the worker's side: the broadcast, the engine's reload and the held requests added back
     (its first-token steps are engine time, its evaluation busy time)."""
     syncs: int = 0
+    held_at_sync: int = 0
+    """Requests a weight sync stopped and put back (prefilled again): every one in flight at a full-weight sync;
+    none at a LoRA run's adapter sync unless it evaluates (``Engine.pins_versions``)."""
     preemptions: int = 0
     admitted_groups: int = 0
     gate_refusals: int = 0
@@ -286,7 +289,7 @@ class WorkerStats:
 
     SUMMED = (
         "busy_s", "idle_s", "tool_wait_s", "engine_steps", "step_sequences", "prefilled_tokens", "sync_s", "syncs",
-        "preemptions", "admitted_groups", "gate_refusals", "kv_usage_sum",
+        "held_at_sync", "preemptions", "admitted_groups", "gate_refusals", "kv_usage_sum",
     )
 
     def __add__(self, later: "WorkerStats") -> "WorkerStats":

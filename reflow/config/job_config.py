@@ -570,6 +570,12 @@ class LoraSection:
     def enabled(self) -> bool:
         return self.rank > 0
 
+    @property
+    def syncs_adapters(self) -> bool:
+        """The weight sync moves the adapters only, each a new version in the engines (nothing else trains);
+        with trained embeddings or head it moves the merged weights."""
+        return self.enabled and not (self.train_embeddings or self.train_head)
+
     def rules(self) -> list[tuple[str, str]]:
         if not self.target_modules:
             return [("target_modules", "is empty: name the projections to adapt, e.g. [\"q_proj\", \"v_proj\"]")]

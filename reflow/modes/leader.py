@@ -59,6 +59,7 @@ class RolloutWindow:
             "rollout_tool_wait_s": total.tool_wait_s,
             "rollout_sync_s": total.sync_s,
             "rollout_syncs": total.syncs,
+            "rollout_held_at_sync": total.held_at_sync,
             "preemptions": total.preemptions,
             "admitted_groups": total.admitted_groups,
             "gate_refusals": total.gate_refusals,

@@ -298,9 +298,17 @@ class RolloutWorker:
             self._hold_load_resume(version)
 
     def _hold_load_resume(self, version: int) -> None:
+        """A weight sync: 1. hold what is in flight (one_step_off: after its first tokens), 2. load version v,
+        3. evaluate it (at an interval), 4. resume the held partial rollouts under v. An engine that pins
+        versions (a LoRA run's adapters) holds nothing unless it evaluates: the requests in flight finish on the
+        adapter they started on, and only new ones take v (no abort, no prefill again)."""
         t0 = self.clock()
-        self._first_tokens()
-        held = self.turns.hold_all()  # trajectories waiting on a tool stay there, and resume under version v
+        if self.engine.pins_versions and not self._evaluates(version):
+            held = []
+        else:
+            if not self.engine.pins_versions:
+                self._first_tokens()
+            held = self.turns.hold_all()  # trajectories waiting on a tool stay there, and resume under version v
         self._count_busy(self.clock() - t0)
         self._tell_followers("sync", version)
         t1 = self.clock()
@@ -310,19 +318,22 @@ class RolloutWorker:
         # partial rollouts continue from their prefix, turns and all; each token keeps its version. The reload
         # reset the prefix cache, so the engine prefills every held prompt and prefix again
         self.stats.prefilled_tokens += sum(len(req.prompt_ids) + len(req.output_ids) for req in held)
+        self.stats.held_at_sync += len(held)
         t2 = self.clock()
         self.turns.resume(held)
         self.stats.sync_s += synced + self.clock() - t2
         self.stats.syncs += 1
         self._report()
 
+    def _evaluates(self, version: int) -> bool:
+        return self.evaluate is not None and bool(self.eval_interval) and version % self.eval_interval == 0
+
     def _evaluate(self, version: int) -> None:
         """metrics.eval_interval: after a weight sync to a version it divides, this rank's share of the held-out
         prompts, one sample each at the rollout temperature, with the engine holding nothing else (the partial
         rollouts wait until it is done): a measure of exactly policy ``version``. The trainer does not wait
         for it; trainer rank 0 logs the mean once every rollout rank's share has arrived."""
-        interval = self.eval_interval
-        if self.evaluate is None or not interval or version % interval:
+        if not self._evaluates(version):
             return
         t0 = self.clock()
         with self.timeline.span("evaluate", version=version):

@@ -73,9 +73,10 @@ class SyncMode(ModeBase):
         with timer("gen"):
             # after the last round the engine frees its memory for training (on CUDA); a sync follows this step's
             # update: the engine's weights are overwritten then, so they are dropped now rather than copied to
-            # host memory and back
+            # host memory and back (not a LoRA run's: its sync adds an adapter over the base the engine keeps)
             sleep_start = time.perf_counter()
-            parts.engine.sleep(discard_weights=(self.version + 1) % parts.cfg.weight_sync.interval == 0)
+            parts.engine.sleep(discard_weights=(self.version + 1) % parts.cfg.weight_sync.interval == 0
+                               and not parts.engine.pins_versions)
             engine_stats.busy_s += time.perf_counter() - sleep_start - parts.turns.take_tool_wait()
             # the step's generation ends with its slowest rank's: a faster rank's wait for it is generation time,
             # not a slow first collective of the train step (rows and the simulator's fit read them apart)

@@ -136,8 +136,9 @@ class RolloutEngine:
             kwargs["num_gpu_blocks_override"] = r.num_kv_blocks
         if adapters is not None:
             # every version a request may still be on, in one batch: the newest and the delta before it
-            kwargs.update(enable_lora=True, max_lora_rank=adapters.rank, max_loras=adapters.versions,
-                          max_cpu_loras=adapters.versions)
+            # (one more than the bound: a trajectory past it still finishes, on its own version)
+            kwargs.update(enable_lora=True, max_lora_rank=adapters.rank, max_loras=adapters.versions + 1,
+                          max_cpu_loras=adapters.versions + 2)
         quiet_vendor_logs()  # (after vLLM's import set up its handlers)
         t0 = time.time()
         self.llm = LLM(**kwargs)
@@ -291,8 +292,8 @@ class RolloutEngine:
 
     @property
     def pins_versions(self) -> bool:
-        """A LoRA run's engine: a weight sync adds an adapter version and holds nothing (each request finishes
-        on the adapter it started on); otherwise a sync replaces the weights under held requests."""
+        """(``Engine.pins_versions``) A LoRA run's engine: a weight sync adds an adapter version and holds
+        nothing (each request finishes on the adapter it started on)."""
         return self.adapters is not None
 
     def load_adapter(self, folder: str, version: int) -> float:

@@ -37,6 +37,10 @@ class Engine(Protocol):
     """Tokens per KV block."""
     decode_steps: int
     """Decode steps the latest ``step`` ran."""
+    pins_versions: bool
+    """A sync adds a policy version and holds nothing: each request finishes on the version it started on (a
+    LoRA run's adapters, ``RolloutEngine.load_adapter``); False: a sync replaces the weights under held
+    requests (partial rollouts, a version per token)."""
 
     @property
     def num_active(self) -> int: ...

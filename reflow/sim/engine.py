@@ -63,6 +63,8 @@ class SimEngine:
     """An ``Engine`` on a simulated clock (``clock``, advanced by its own steps and by ``wait_until``)."""
 
     mirror = None
+    pins_versions = False
+    """(Full-weight syncs: the simulator does not model LoRA's adapter versions.)"""
 
     def __init__(self, profile: CostProfile, index: int, max_steps: int = 32, macro_s: float = 0.0):
         self.profile = profile
