@@ -16,8 +16,9 @@ A rank is in one of three roles, each with the phases it passes through:
 The trainer's terms, per rank, for N parameters over a shard degree S (FSDP2 keeps float32 shards, gradients
 and AdamW state; ``training.param_dtype`` is what it gathers in, p bytes a value):
   parameter shards          4 N / S
-  gradient shards           4 N / S
-  AdamW moments             8 N / S              (exp_avg and exp_avg_sq)
+  gradient shards           4 N / S              (LoRA: 4 T / S, T the trained parameters: the adapters, and
+                                                 the embeddings and head when lora trains them)
+  AdamW moments             8 N / S              (exp_avg and exp_avg_sq; LoRA: 8 T / S)
   reference shards          4 N / S              (only with ``kl.coef`` > 0)
   gathered parameters       p (R + 2 L) x 2      the root unit R (embeddings, head and final norm: it stays
                                                  gathered from the forward to the end of the backward) and
@@ -181,11 +182,35 @@ def _dtype_bytes(name: str) -> int:
     return 2 if name in ("bfloat16", "float16") else 4
 
 
+def lora_parameters(arch, lora) -> int:
+    """The adapters' parameters: r (in + out) per adapted projection per layer ([lora])."""
+    q, kv = arch.n_heads * arch.head_dim, arch.n_kv_heads * arch.head_dim
+    sides = {"q_proj": arch.dim + q, "k_proj": arch.dim + kv, "v_proj": arch.dim + kv, "o_proj": q + arch.dim,
+             "gate_proj": arch.dim + arch.hidden_dim, "up_proj": arch.dim + arch.hidden_dim,
+             "down_proj": arch.hidden_dim + arch.dim}
+    return arch.n_layers * lora.rank * sum(sides[name] for name in lora.target_modules)
+
+
+def trained_parameters(cfg, arch, num_params: int) -> int:
+    """What has gradients and AdamW state: the whole model, or a LoRA run's adapters (and the embeddings and
+    head where it trains them)."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return num_params
+    embeddings = arch.vocab_size * arch.dim
+    full = (embeddings if lora.train_embeddings else 0) + (
+        embeddings if lora.train_head and not (arch.tie_embeddings and lora.train_embeddings) else 0)
+    return lora_parameters(arch, lora) + full
+
+
 def trainer_terms(cfg, arch, num_params: int, shard_degree: int) -> list[Term]:
     """The trainer's terms on one rank (see the module's docstring)."""
     training = cfg.training
     param = _dtype_bytes(training.param_dtype)
+    if cfg.lora.enabled:
+        num_params += lora_parameters(arch, cfg.lora)
     per_shard = num_params / shard_degree
+    trained_per_shard = trained_parameters(cfg, arch, num_params) / shard_degree
     root = arch.vocab_size * arch.dim * (1 if arch.tie_embeddings else 2) + arch.dim
     block = (num_params - root) / arch.n_layers
     tokens = training.micro_batch_size * cfg.rollout.max_model_len
@@ -199,8 +224,8 @@ def trainer_terms(cfg, arch, num_params: int, shard_degree: int) -> list[Term]:
     chunk = min(chunk, tokens)
     terms = [
         Term("parameter shards", int(4 * per_shard), "placement.trainer_shard_degree"),
-        Term("gradient shards", int(4 * per_shard), "placement.trainer_shard_degree"),
-        Term("AdamW moments", int(8 * per_shard), "placement.trainer_shard_degree"),
+        Term("gradient shards", int(4 * trained_per_shard), "placement.trainer_shard_degree / lora.rank"),
+        Term("AdamW moments", int(8 * trained_per_shard), "placement.trainer_shard_degree / lora.rank"),
     ]
     if cfg.kl.coef > 0:
         terms.append(Term("reference shards", int(4 * per_shard), "kl.coef"))
@@ -222,7 +247,10 @@ def communicators(role: str) -> int:
 
 def sync_buckets_term(cfg, arch) -> Term:
     """The weight sync's buckets in flight on a trainer rank (see the module's docstring): a bucket holds
-    ``weight_sync.bucket_size_mb`` of bf16 values, or one tensor when a tensor is larger (the embeddings)."""
+    ``weight_sync.bucket_size_mb`` of bf16 values, or one tensor when a tensor is larger (the embeddings); a
+    LoRA run's adapter sync gathers every adapter at once, in bf16."""
+    if cfg.lora.syncs_adapters:
+        return Term("adapter sync", 2 * 2 * lora_parameters(arch, cfg.lora), "lora.rank")
     bucket = max(int(cfg.weight_sync.bucket_size_mb * 2**20), 2 * arch.vocab_size * arch.dim)
     return Term("weight-sync buckets", 2 * bucket, "weight_sync.bucket_size_mb")
 
@@ -241,6 +269,12 @@ def memory_plan(cfg, recipe, placement) -> MemoryPlan:
     device_bytes = int(device_gib * GIB) if on_gpu else 0
     tp = placement.rollout_tp
     engine_weights = Term("engine weights", int(2 * num_params / tp), "rollout.tensor_parallel_degree")
+    if cfg.lora.syncs_adapters:  # the base, and a LoRA run's adapter versions (as many as RolloutEngine batches)
+        mode = cfg.training.mode
+        versions = (0 if mode == "sync" else 1 if mode == "one_step_off" else cfg.replay.delta) + 2
+        engine_weights = Term("engine weights and adapters",
+                              engine_weights.bytes + int(2 * versions * lora_parameters(arch, cfg.lora) / tp),
+                              "rollout.tensor_parallel_degree / lora.rank")
     asleep = Term("engine asleep", int(ENGINE_ASLEEP_GIB * GIB) if on_gpu else 0, "(vLLM's pools while asleep)")
     problems: list[str] = []
 

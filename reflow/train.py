@@ -315,7 +315,7 @@ def build_components(
     sync_dtype = torch.float32 if device.type == "cpu" else getattr(torch, recipe.vllm.dtype)
     weight_syncs = {}
     if cfg.lora.syncs_adapters:  # a LoRA run: the adapters only, as a new version in every engine
-        adapter_plan = build_adapter_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.lora, hf_dir)
+        adapter_plan = build_adapter_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.lora, hf_dir, sync_dtype)
         for there in feasible:  # the same order on every rank: new_group inside
             weight_syncs[there.replicate_degree] = AdapterSync(there, adapter_plan, rank, device)
     else:

@@ -110,16 +110,18 @@ def _registry_flavor_recipe(folder) -> str:
     return path
 
 
-def test_a_decoupled_recipe_on_a_registry_flavor_checkpoints_resumes_syncs_and_exports(tmp_path):
+@pytest.mark.parametrize("config", ["train_configs/paper_math_qwen3_8b.toml", "train_configs/qwen3_8b_lora.toml"],
+                         ids=["paper_math", "lora"])
+def test_a_decoupled_recipe_on_a_registry_flavor_checkpoints_resumes_syncs_and_exports(tmp_path, config):
     """The paper's math recipe (reflow, HSDP 2 replicas + 2 rollout ranks, bf16 gathers, full activation
     checkpointing, a sync after every step) on a torchtitan registry flavor, as the GPU recipes build theirs: the
     path that crashed at the first checkpoint before the flavors were built unfused. The HF load, FSDP2, the
     checkpoint, the resume, the weight sync into vLLM and the HF export all cross the fused layout's names. The
     weights are random, so no answer scores and the policy does not move: the export must equal the checkpoint
-    it started from, bit for bit."""
+    it started from, bit for bit. The LoRA recipe the same way, with adapter syncs into vLLM (every adapter's
+    B is still 0: the merged export equals the source too)."""
     from safetensors.torch import load_file
 
-    config = "train_configs/paper_math_qwen3_8b.toml"
     recipe = _registry_flavor_recipe(str(tmp_path / "model"))
     dump = str(tmp_path / "run")
     common = ["-m", "reflow.train", "--config", config, *_overrides(config, 4), f"--model.recipe={recipe}",
@@ -138,6 +140,9 @@ def test_a_decoupled_recipe_on_a_registry_flavor_checkpoints_resumes_syncs_and_e
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(dump, "hf_final"), dtype=torch.float32)
     assert torch.isfinite(model(torch.tensor([[3, 4, 5]])).logits).all()
+    if "lora" in config:
+        assert os.path.exists(os.path.join(dump, "adapter_final", "adapter_model.safetensors"))
+        assert sum(r["rollout_held_at_sync"] for r in _rows(dump)) == 0
 
 
 def test_the_sync_recipe_at_cpu_scale_checkpoints_and_exports(tmp_path):

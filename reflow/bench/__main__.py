@@ -1,8 +1,8 @@
 import sys
 
-from reflow.bench import agents, generation, modes, placement, resize, sandbox, trainer
+from reflow.bench import agents, generation, lora, modes, placement, resize, sandbox, trainer
 
-BENCHMARKS = {"agents": agents.main, "generation": generation.main,
+BENCHMARKS = {"agents": agents.main, "generation": generation.main, "lora": lora.main,
               "modes": modes.main, "placement": placement.main, "resize": resize.main,
               "sandbox": sandbox.main, "trainer": trainer.main}
 

@@ -4,8 +4,9 @@ Every rank derives the same ``AdapterPlan`` from the model config and the [lora]
 (each adapter's torchtitan keys, peft names and shapes), so a rollout-only rank knows the layout without a
 metadata exchange, as in ``reflow.weight_sync.broadcast``:
 
-    trainer ranks        one all-gather of every adapter's shards (float32: a few MB), in the replicas that
-                         feed an engine (``gathers_full_weights``)
+    trainer ranks        one all-gather of every adapter's shards, cast to the engine's dtype first (the dtype
+                         vLLM computes the adapters in), in the replicas that feed an engine
+                         (``gathers_full_weights``)
     trainer rank 0       flattens them into one tensor, broadcasts it over the sync group
     rollout-only ranks   receive it and split it
     every engine rank    writes version v's peft folder on local disk and loads it (``load_adapter``): new
@@ -42,13 +43,15 @@ class AdapterPlan:
     """(torchtitan key, peft name, shape) of every adapter tensor, in order."""
     config: dict
     """The peft ``adapter_config.json`` of every version."""
+    dtype: torch.dtype
+    """The engine's: what the adapters are sent and stored in."""
 
     @property
     def numel(self) -> int:
         return sum(torch.Size(shape).numel() for _, _, shape in self.tensors)
 
 
-def build_adapter_plan(model_config, adapter, lora, hf_dir: str) -> AdapterPlan:
+def build_adapter_plan(model_config, adapter, lora, hf_dir: str, dtype: torch.dtype = torch.float32) -> AdapterPlan:
     meta = build_on_meta(model_config)
     apply_lora(meta, lora, model_projections(adapter))
     state = meta.state_dict()
@@ -63,7 +66,7 @@ def build_adapter_plan(model_config, adapter, lora, hf_dir: str) -> AdapterPlan:
         "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
         "base_model_name_or_path": os.path.abspath(hf_dir), "fan_in_fan_out": False, "inference_mode": True,
     }
-    return AdapterPlan(tensors, config)
+    return AdapterPlan(tensors, config, dtype)
 
 
 class AdapterSync:
@@ -80,17 +83,17 @@ class AdapterSync:
         """This rank's adapter versions, each a peft folder (``v<version>``)."""
 
     def _tensors(self, trainer) -> torch.Tensor | None:
-        """The adapters as one flat float32 tensor, on the ranks that have them after the collectives."""
+        """The adapters as one flat tensor in the plan's dtype, on the ranks that have them after the collectives."""
         if self.gathers:
             state = trainer.model.state_dict()
-            fulls = gather_full([state[key].detach().float() for key, _, _ in self.plan.tensors])
+            fulls = gather_full([state[key].detach().to(self.plan.dtype) for key, _, _ in self.plan.tensors])
             flat = torch.cat([t.reshape(-1) for t in fulls]).to(self.device)
             if self.group is not None and self.rank == self.src:
                 dist.broadcast(flat, src=self.src, group=self.group)
             return flat
         if self.placement.is_trainer(self.rank):
             return None  # a trainer replica that feeds no engine: no collective of this sync involves it
-        flat = torch.empty(self.plan.numel, dtype=torch.float32, device=self.device)
+        flat = torch.empty(self.plan.numel, dtype=self.plan.dtype, device=self.device)
         dist.broadcast(flat, src=self.src, group=self.group)
         return flat
 
