@@ -284,6 +284,11 @@ def mode_warnings(cfg: JobConfig, where=lambda key: "default") -> list[str]:
 def validate_recipe(cfg: JobConfig, recipe, placement, where=lambda key: "default") -> list[str]:
     """Check the run against the model recipe; returns warnings (e.g. a GPU recipe on a CPU machine)."""
     warnings = []
+    lora = cfg.lora
+    if lora.enabled and recipe.architecture.tie_embeddings and lora.train_embeddings != lora.train_head:
+        raise ConfigError(f"{where('lora.train_head')}: 'lora.train_head' = {lora.train_head} with "
+                          f"'lora.train_embeddings' = {lora.train_embeddings}: recipe {recipe.name} ties its head to its "
+                          "embeddings (one tensor); set both or neither")
     par = recipe.parallelism
     if placement.world_size < par.min_world_size:
         warnings.append(

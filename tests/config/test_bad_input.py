@@ -215,3 +215,25 @@ def test_an_agent_with_a_built_in_task_or_a_moving_placement(tmp_path, capsys, m
                                     f"--job.dump_folder={tmp_path}/run"], "'task.agent'", "task.name = 'agent' only")
     one_error(capsys, monkeypatch, ["--config", AGENT, "--scheduler.adaptive_placement=true",
                                     f"--job.dump_folder={tmp_path}/run"], "'task.name'", "fixed placement")
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("--lora.rank=-1", ("lora.rank", ">= 0")),
+    ("--lora.alpha=0", ("lora.alpha", "> 0")),
+    ("--lora.dropout=1.0", ("lora.dropout",)),
+    ('--lora.target_modules=["q_proj", "qkv"]', ("lora.target_modules", "'qkv'", "q_proj")),
+    ("--lora.target_modules=[]", ("lora.target_modules", "empty")),
+], ids=["rank", "alpha", "dropout", "unknown-target", "no-target"])
+def test_bad_lora_settings_are_one_line_naming_the_key(capsys, monkeypatch, override, expected):
+    one_error(capsys, monkeypatch, ["--config", TINY, "--lora.rank=8", override], *expected)
+
+
+def test_lora_with_a_tensor_parallel_engine_is_refused_before_ranks_start(tmp_path, capsys, monkeypatch):
+    tp = ["--training.mode=reflow", "--placement.trainer_shard_degree=1", "--placement.num_rollout_ranks=2",
+          "--rollout.tensor_parallel_degree=2"]
+    one_error(capsys, monkeypatch, ["--config", TINY, "--lora.rank=8", *tp], "lora.rank", "tensor-parallel", world=3)
+
+
+def test_lora_on_tied_embeddings_trains_both_or_neither(tmp_path, capsys, monkeypatch):
+    one_error(capsys, monkeypatch, ["--config", os.path.join(ROOT, "train_configs", "qwen3_4b.toml"), "--lora.rank=8",
+                                    "--lora.train_head=true"], "lora.train_head", "ties", world=8)
