@@ -197,6 +197,14 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
 
     hf_dir = resolve_hf_dir(cfg, recipe, where)
     check_hf_dir(hf_dir, hf_checkpoint_key(cfg, recipe, where))
+    if cfg.lora.enabled and cfg.lora.adapter:  # the adapter folder a LoRA run starts from, against this model
+        from reflow.model.qwen3 import build_model_config
+        from reflow.trainer.hf_io import build_adapter
+        from reflow.trainer.lora import build_adapter_plan, check_adapter_folder
+
+        model_cfg = build_model_config(recipe, cfg.model.attention)
+        plan = build_adapter_plan(model_cfg, build_adapter(model_cfg, hf_dir), cfg.lora, hf_dir)
+        check_adapter_folder(resolve_path(cfg.lora.adapter), plan, cfg.lora, f"{where('lora.adapter')}: lora.adapter")
     try:  # (an agent task imports its agent here: a bad task.agent is named before any rank starts)
         task = build_task(cfg.task)
     except ValueError as error:
@@ -240,9 +248,10 @@ def build_components(
     from reflow.rollout.tokenizer import PromptTokenizer
     from reflow.serving.drivers import AgentServing, new_driver
     from reflow.tasks import build_task
+    from reflow.trainer.lora import build_adapter_plan
     from reflow.trainer.policy import PolicyTrainer
     from reflow.weight_sync import WeightSync, build_sync_plan
-    from reflow.weight_sync.adapters import AdapterSync, build_adapter_plan
+    from reflow.weight_sync.adapters import AdapterSync
 
     # 1. the inputs ``check_inputs`` read, and the reward of the [reward] section
     hf_dir = resolve_hf_dir(cfg, recipe)

@@ -35,7 +35,7 @@ def sync_bytes(recipe_name: str, rank: int) -> dict:
     from reflow.model.qwen3 import build_model_config
     from reflow.model.recipe import load_recipe
     from reflow.trainer.hf_io import build_adapter
-    from reflow.weight_sync.adapters import build_adapter_plan
+    from reflow.trainer.lora import build_adapter_plan
     from reflow.weight_sync.broadcast import build_sync_plan
 
     recipe = load_recipe(recipe_name)

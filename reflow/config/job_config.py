@@ -565,6 +565,9 @@ class LoraSection:
     """Train the token embeddings in full beside the adapters."""
     train_head: bool = False
     """Train the output head in full beside the adapters (with tied embeddings: set both or neither)."""
+    adapter: str = ""
+    """A peft adapter folder to start from (an SFT'd adapter, or a run's adapter_final): its rank, alpha and
+    targets must be this section's, its tensors this model's shapes; empty: the adapters start at B = 0."""
 
     @property
     def enabled(self) -> bool:
@@ -577,6 +580,8 @@ class LoraSection:
         return self.enabled and not (self.train_embeddings or self.train_head)
 
     def rules(self) -> list[tuple[str, str]]:
+        if self.adapter and not self.enabled:
+            return [("adapter", f"= {self.adapter!r} needs LoRA on: set lora.rank to the adapter's rank")]
         if not self.target_modules:
             return [("target_modules", "is empty: name the projections to adapt, e.g. [\"q_proj\", \"v_proj\"]")]
         unknown = [name for name in self.target_modules if name not in LORA_PROJECTIONS]

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from reflow.trainer.hf_shards import ShardWriter
-from reflow.trainer.lora import adapters_of, merge
+from reflow.trainer.lora import PEFT_CONFIG, PEFT_WEIGHTS, adapters_of, merge
 
 HF_SIDE_FILES = (
     "config.json",
@@ -164,10 +164,6 @@ def export_hf(model: torch.nn.Module, adapter, out_dir: str, source_dir: str, gr
             json.dump({"source": os.path.abspath(source_dir), "num_tensors": count}, f)
     if dist.is_initialized():
         dist.barrier(group=group)  # every writer's shards are in place before anyone reads the folder
-
-
-PEFT_WEIGHTS = "adapter_model.safetensors"
-PEFT_CONFIG = "adapter_config.json"
 
 
 @torch.no_grad()

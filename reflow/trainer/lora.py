@@ -23,8 +23,11 @@ format (``reflow.export``), so ``peft`` loads what this trains.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import zlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -149,3 +152,100 @@ def adapters_of(state: dict, names) -> dict[str, tuple[str, str]]:
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+
+
+@dataclass
+class AdapterPlan:
+    tensors: list[tuple[str, str, tuple[int, ...]]]
+    """(torchtitan key, peft name, shape) of every adapter tensor, in order."""
+    config: dict
+    """The peft ``adapter_config.json`` of every version."""
+    dtype: torch.dtype
+    """The engine's: what the adapters are sent and stored in."""
+
+    @property
+    def numel(self) -> int:
+        return sum(torch.Size(shape).numel() for _, _, shape in self.tensors)
+
+
+def build_adapter_plan(model_config, adapter, lora, hf_dir: str, dtype: torch.dtype = torch.float32) -> AdapterPlan:
+    """This model's adapters in peft's layout (the sync's, the export's and a starting folder's), from the
+    model config on the meta device."""
+    from reflow.model.qwen3 import build_on_meta
+
+    meta = build_on_meta(model_config)
+    apply_lora(meta, lora, model_projections(adapter))
+    state = meta.state_dict()
+    tensors = []
+    for weight, (a_key, b_key) in adapters_of(state, state).items():
+        (hf_weight,) = adapter.to_hf({weight: state[weight]}).keys()
+        module = "base_model.model." + hf_weight[: -len(".weight")]
+        tensors.append((a_key, f"{module}.lora_A.weight", tuple(state[a_key].shape)))
+        tensors.append((b_key, f"{module}.lora_B.weight", tuple(state[b_key].shape)))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
+        "base_model_name_or_path": os.path.abspath(hf_dir), "fan_in_fan_out": False, "inference_mode": True,
+    }
+    return AdapterPlan(tensors, config, dtype)
+
+
+def check_adapter_folder(folder: str, plan: AdapterPlan, lora, key: str = "lora.adapter") -> None:
+    """A peft adapter folder this run can start from: a ValueError naming ``key`` and the file otherwise (its
+    config's rank, alpha and targets against [lora]'s, its tensors' names and shapes against the model's; only
+    the safetensors header is read)."""
+    from reflow.trainer.hf_io import check_safetensors  # (hf_io imports this module)
+
+    config_path, weights = os.path.join(folder, PEFT_CONFIG), os.path.join(folder, PEFT_WEIGHTS)
+    if not os.path.isfile(config_path) or not os.path.isfile(weights):
+        raise ValueError(f"{key}: {folder} is not a peft adapter folder (it needs {PEFT_CONFIG} and {PEFT_WEIGHTS})")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{key}: {config_path} is not readable JSON ({error})") from None
+    wanted = {"peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha}
+    for field, value in wanted.items():
+        if config.get(field) != value and not (isinstance(value, float) and config.get(field) == int(value)):
+            raise ValueError(f"{key}: {config_path} has {field} = {config.get(field)!r}, this run's [lora] {value!r}")
+    targets = config.get("target_modules")
+    if sorted(targets or []) != sorted(lora.target_modules):
+        raise ValueError(f"{key}: {config_path} adapts {targets}, this run's lora.target_modules "
+                         f"{sorted(lora.target_modules)}")
+    check_safetensors(weights, key)
+    with open(weights, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    have = {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    expected = {name: shape for _, name, shape in plan.tensors}
+    missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{key}: {weights} does not match this model's adapters (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}): an adapter of another base model?")
+    wrong = [name for name in expected if have[name] != expected[name]]
+    if wrong:
+        raise ValueError(f"{key}: {weights}: {wrong[0]} has shape {list(have[wrong[0]])}, this model's is "
+                         f"{list(expected[wrong[0]])}: an adapter of another base model?")
+
+
+@torch.no_grad()
+def load_adapter_folder(model: torch.nn.Module, folder: str, plan: AdapterPlan) -> None:
+    """Fill ``model``'s (sharded) adapters from a peft folder checked by ``check_adapter_folder``: every rank
+    reads the file and keeps its shards (no collective)."""
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    tensors = load_file(os.path.join(folder, PEFT_WEIGHTS))
+    params = dict(model.named_parameters())
+    for key, name, _ in plan.tensors:
+        param = next(p for n, p in params.items() if n.replace("_checkpoint_wrapped_module.", "") == key)
+        value = tensors[name].to(param.device, param.dtype)
+        if isinstance(param, DTensor):
+            value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(value)
+        else:
+            param.copy_(value)
+

@@ -40,7 +40,7 @@ from reflow.config.job_config import JobConfig, LoraSection, TrainingSection
 from reflow.distributed.buckets import broadcast_tensors
 from reflow.distributed.utils import TrainerLayout
 from reflow.model.qwen3 import build_model_config, build_on_meta, init_buffers
-from reflow.model.recipe import Recipe
+from reflow.model.recipe import Recipe, resolve_path
 from reflow.trainer.batch import TrainBatch, index, zero_batch
 from reflow.trainer.elastic import (
     adopt,
@@ -53,7 +53,14 @@ from reflow.trainer.elastic import (
 )
 from reflow.trainer.hf_io import build_adapter, export_hf, export_peft_adapter, load_hf_into
 from reflow.trainer.logprobs import chunked_token_logprobs
-from reflow.trainer.lora import apply_lora, init_lora, model_projections, trainable_parameters
+from reflow.trainer.lora import (
+    apply_lora,
+    build_adapter_plan,
+    init_lora,
+    load_adapter_folder,
+    model_projections,
+    trainable_parameters,
+)
 from reflow.trainer.offload import HostParking
 from reflow.trainer.parallelize import (
     apply_block_compile,
@@ -180,6 +187,9 @@ class PolicyTrainer:
                     load_hf_into(module, self.adapter, hf_dir, process_group=self.layout.group)
             if self.lora is not None:
                 init_lora(self.model, seed)  # after the base: A drawn, B = 0 (the base model, exactly)
+                if self.lora.adapter:  # or the adapters of a folder (checked before ranks started)
+                    plan = build_adapter_plan(self.model_config, self.adapter, self.lora, hf_dir)
+                    load_adapter_folder(self.model, resolve_path(self.lora.adapter), plan)
             # 4. AdamW over the local shards, its state created now so a transfer or a checkpoint can fill it
             self.optimizer = self._new_optimizer(self.model)
             zero_optimizer_state(self.optimizer, self.model)

@@ -24,49 +24,14 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from reflow.distributed.buckets import gather_full
 from reflow.distributed.placement import Placement
-from reflow.model.qwen3 import build_on_meta
-from reflow.trainer.hf_io import PEFT_CONFIG, PEFT_WEIGHTS
-from reflow.trainer.lora import adapters_of, apply_lora, model_projections
+from reflow.trainer.lora import PEFT_CONFIG, PEFT_WEIGHTS, AdapterPlan
 from reflow.weight_sync.broadcast import gathers_full_weights
-
-
-@dataclass
-class AdapterPlan:
-    tensors: list[tuple[str, str, tuple[int, ...]]]
-    """(torchtitan key, peft name, shape) of every adapter tensor, in order."""
-    config: dict
-    """The peft ``adapter_config.json`` of every version."""
-    dtype: torch.dtype
-    """The engine's: what the adapters are sent and stored in."""
-
-    @property
-    def numel(self) -> int:
-        return sum(torch.Size(shape).numel() for _, _, shape in self.tensors)
-
-
-def build_adapter_plan(model_config, adapter, lora, hf_dir: str, dtype: torch.dtype = torch.float32) -> AdapterPlan:
-    meta = build_on_meta(model_config)
-    apply_lora(meta, lora, model_projections(adapter))
-    state = meta.state_dict()
-    tensors = []
-    for weight, (a_key, b_key) in adapters_of(state, state).items():
-        (hf_weight,) = adapter.to_hf({weight: state[weight]}).keys()
-        module = "base_model.model." + hf_weight[: -len(".weight")]
-        tensors.append((a_key, f"{module}.lora_A.weight", tuple(state[a_key].shape)))
-        tensors.append((b_key, f"{module}.lora_B.weight", tuple(state[b_key].shape)))
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
-        "base_model_name_or_path": os.path.abspath(hf_dir), "fan_in_fan_out": False, "inference_mode": True,
-    }
-    return AdapterPlan(tensors, config, dtype)
 
 
 class AdapterSync:

@@ -237,3 +237,48 @@ def test_lora_with_a_tensor_parallel_engine_is_refused_before_ranks_start(tmp_pa
 def test_lora_on_tied_embeddings_trains_both_or_neither(tmp_path, capsys, monkeypatch):
     one_error(capsys, monkeypatch, ["--config", os.path.join(ROOT, "train_configs", "qwen3_4b.toml"), "--lora.rank=8",
                                     "--lora.train_head=true"], "lora.train_head", "ties", world=8)
+
+
+def _adapter_folder(tmp_path, rank: int = 8, alpha: float = 16.0, targets=("q_proj", "v_proj"), width: int = 128) -> str:
+    """A peft folder for the tiny model (q_proj and v_proj of its 4 layers), or of another width."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / f"adapter-r{rank}-w{width}"
+    folder.mkdir()
+    tensors = {}
+    for layer in range(4):
+        for name, out in (("q_proj", 128), ("v_proj", 64)):
+            module = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{module}.lora_A.weight"] = torch.zeros(rank, width)
+            tensors[f"{module}.lora_B.weight"] = torch.zeros(out, rank)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                                                            "target_modules": list(targets)}))
+    return str(folder)
+
+
+LORA_ON = ["--lora.rank=8", "--lora.alpha=16", '--lora.target_modules=["q_proj", "v_proj"]']
+
+
+def test_a_matching_adapter_folder_passes(tmp_path, capsys, monkeypatch):
+    code, lines = check(capsys, monkeypatch, ["--config", TINY, *LORA_ON, f"--lora.adapter={_adapter_folder(tmp_path)}"])
+    assert code == 0, lines
+
+
+@pytest.mark.parametrize("folder_args,expected", [
+    ({"rank": 4}, ("lora.adapter", "r = 4")),
+    ({"alpha": 32.0}, ("lora.adapter", "lora_alpha")),
+    ({"targets": ("q_proj",)}, ("lora.adapter", "adapts")),
+    ({"width": 256}, ("lora.adapter", "shape", "another base model")),
+], ids=["rank", "alpha", "targets", "another-model"])
+def test_an_adapter_folder_that_does_not_match_is_one_line(tmp_path, capsys, monkeypatch, folder_args, expected):
+    folder = _adapter_folder(tmp_path, **folder_args)
+    one_error(capsys, monkeypatch, ["--config", TINY, *LORA_ON, f"--lora.adapter={folder}"], *expected)
+
+
+def test_an_adapter_folder_that_is_not_one_is_one_line(tmp_path, capsys, monkeypatch):
+    one_error(capsys, monkeypatch, ["--config", TINY, *LORA_ON, f"--lora.adapter={tmp_path}"], "lora.adapter",
+              "not a peft adapter folder")
+    one_error(capsys, monkeypatch, ["--config", TINY, f"--lora.adapter={tmp_path}"], "lora.adapter", "lora.rank")
+

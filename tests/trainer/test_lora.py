@@ -26,6 +26,7 @@ def test_lora_starts_as_the_base_trains_only_adapters_and_exports_merged(tmp_pat
     assert rep["export_merged_max_diff"] < 1e-6 < rep["export_differs_from_base"]
     assert not rep["export_has_adapter_tensors"]
     assert rep["resume_bitwise"] and rep["resume_logprobs_bitwise"]
+    assert rep["start_from_folder_bitwise"]  # lora.adapter: the exported folder back in, exactly
     assert rep["after_resize_base_unchanged"] and rep["after_resize_optimizer_states"] == 2 * adapters
     # the peft folder, loaded by peft onto the base checkpoint, gives the trainer's log-probs
     assert rep["adapter_modules"] == adapters

@@ -38,8 +38,9 @@ def batch(k: int):
                 [1.0, -1.0, 0.5, -0.5], [1.0] * 4, [0.0] * 4, 0)
 
 
-def build(lora_rank: int) -> PolicyTrainer:
+def build(lora_rank: int, adapter: str = "") -> PolicyTrainer:
     cfg = JobConfig()
+    cfg.lora.adapter = adapter
     cfg.training.lr = 5e-3
     cfg.training.num_minibatches = 2
     cfg.training.activation_checkpointing = "full"
@@ -87,6 +88,11 @@ probe_tokens = [3, 17, 5, 9, 22, 4, 11, 8, 19, 6]
 peft_probe = pack([probe_tokens[:4]], [probe_tokens[4:]], [[-1.0] * 6], [[0] * 6], [1.0], [1.0], [0.0], 0)
 report["peft_probe_tokens"] = probe_tokens
 report["trainer_logprobs"] = adapted.compute_logprobs(peft_probe)[0].tolist()
+
+# a run that starts from that folder (lora.adapter) has the same adapters: the same log-probs, bitwise
+started = build(8, adapter=os.path.join(out_dir, "adapter"))
+report["start_from_folder_bitwise"] = bool(torch.equal(started.compute_logprobs(probe), adapted.compute_logprobs(probe)))
+del started
 
 # a checkpoint's state dict into a fresh LoRA trainer
 saved = adapted.state_dict()
