@@ -6,6 +6,7 @@ B: the same requests (same seeds) start on the base; after a few steps an adapte
    (a peft folder with B != 0) and new requests start; the first ones go on, never held or resubmitted, and
    end exactly as in A (the same tokens and log-probs, every token labelled 0); the new ones are labelled 1
    and sample under the adapter (their first log-probs differ from the base's on the same prompt and seed).
+C: version 1's adapter as vLLM applies it, against peft applying the same folder (prompt log-probs).
 Then versions 2 and 3: the engine keeps the newest 2 (AdapterSlots.versions) and drops older ones no request
 uses.
 """
@@ -79,6 +80,25 @@ report["first_versions"] = sorted({v for r in first for v in r.versions})
 report["second_versions"] = sorted({v for r in second for v in r.versions})
 report["second_first_logprob_moved"] = sum(abs(r.logprobs[0] - a[r.request_id[1:]].logprobs[0]) > 1e-3 for r in second)
 report["second_tokens_differ"] = sum(r.output_ids != a[r.request_id[1:]].output_ids for r in second)
+# version 1's adapter as vLLM applies it, against peft applying the same folder to the base (transformers): the
+# prompt log-probs of one sequence
+probe = a["0"].prompt_ids + a["0"].output_ids[:12]
+from vllm import SamplingParams  # noqa: E402
+
+served = engine.llm.generate([{"prompt_token_ids": probe}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                             lora_request=engine.loaded[1], use_tqdm=False)[0]
+vllm_logprobs = torch.tensor([next(iter(d.values())).logprob for d in served.prompt_logprobs[1:]])
+from peft import PeftModel  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32),
+                                      adapter_folder(1)).eval()
+with torch.no_grad():
+    ids = torch.tensor([probe])
+    peft_logprobs = torch.log_softmax(reference(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+report["vllm_vs_peft_max_diff"] = float((vllm_logprobs - peft_logprobs).abs().max())
+base_logprobs = torch.tensor(a["0"].logprobs[:12])
+report["adapter_moves_logprobs"] = float((peft_logprobs[-12:] - base_logprobs).abs().max())
 for version in (2, 3):
     engine.load_adapter(adapter_folder(version), version)
 report["loaded_after_v3"] = sorted(engine.loaded)
