@@ -109,19 +109,24 @@ def zero_optimizer_state(opt: torch.optim.Optimizer, model: torch.nn.Module) -> 
         }
 
 
-def shard_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer, reference: torch.nn.Module | None) -> list[torch.Tensor]:
+def shard_tensors(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, reference: torch.nn.Module | None, trained_only: bool = False,
+) -> list[torch.Tensor]:
     """This rank's shard of everything a trainer replica holds, in a canonical order: per parameter, the
     parameter, and for a trained one AdamW's exp_avg, exp_avg_sq and step; then the frozen reference's
     parameters. Two ranks with the same shard index derive the same shapes and dtypes (and which parameters
-    train), so a transfer needs no metadata."""
+    train), so a transfer needs no metadata. ``trained_only``: the trained parameters and their state alone (a
+    LoRA trainer, whose frozen base and reference are the checkpoint's)."""
     reshard(model)
     out = []
     for param in model.parameters():
+        if trained_only and not param.requires_grad:
+            continue
         out.append(param.to_local())
         if param.requires_grad:
             state = opt.state[param]
             out += [state["exp_avg"].to_local(), state["exp_avg_sq"].to_local(), state["step"]]
-    if reference is not None:
+    if reference is not None and not trained_only:
         out += list(local_shards(reference).values())
     return out
 

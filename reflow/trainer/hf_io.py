@@ -112,12 +112,14 @@ def check_safetensors(path: str, key: str) -> None:
 
 
 @torch.no_grad()
-def load_hf_into(model: torch.nn.Module, adapter, hf_dir: str, process_group=None) -> None:
-    """Fill the (sharded) model from a HF safetensors folder."""
+def load_hf_into(model: torch.nn.Module, adapter, hf_dir: str, process_group=None, alone: bool = False) -> None:
+    """Fill the (sharded) model from a HF safetensors folder. ``alone``: this rank reads its own shards with no
+    collective (a rank joining a LoRA trainer takes the frozen base from the checkpoint, not from a peer)."""
     check_hf_dir(hf_dir)
     state = model.state_dict()
     hf_state = adapter.to_hf(state)
-    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(hf_dir), process_group=process_group)
+    dcp.load(hf_state, storage_reader=adapter.get_hf_storage_reader(hf_dir), process_group=process_group,
+             no_dist=alone)
     missing, unexpected = model.load_state_dict(adapter.from_hf(hf_state), strict=False)
     missing = [m for m in missing if not is_derived_buffer(m) and not is_lora_key(m)]  # (adapters: init_lora)
     if missing or unexpected:

@@ -324,12 +324,16 @@ class PolicyTrainer:
             if module is not None:
                 with torch.no_grad():
                     init_buffers(module, self.device)
+                if joins and self.lora is not None:  # a LoRA trainer's frozen base is the checkpoint's: read, not moved
+                    load_hf_into(module, self.adapter, self.hf_dir, alone=True)
         self.model, self.ref_model, self.optimizer, self.layout = model, reference, optimizer, new
         if replicas > old.replicas and new.has(self.rank):
             # grow: shard s's everything, from replica 0's rank of shard s (global rank s), over the new mesh's
             # dp_replicate group of shard s; staying replicas receive what they already hold
             updates = torch.tensor([self.num_updates], dtype=torch.long)  # the minibatch shuffles depend on it
-            tensors = shard_tensors(self.model, self.optimizer, self.ref_model) + [updates]
+            # (a LoRA trainer's: the adapters and their AdamW state only)
+            tensors = shard_tensors(self.model, self.optimizer, self.ref_model, trained_only=self.lora is not None)
+            tensors += [updates]
             source = self.rank % new.shard_degree
             group = new.mesh.get_group("dp_replicate")
             report.broadcasts = broadcast_tensors(tensors, source, group, bucket_bytes)

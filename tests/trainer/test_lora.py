@@ -28,6 +28,12 @@ def test_lora_starts_as_the_base_trains_only_adapters_and_exports_merged(tmp_pat
     assert rep["resume_bitwise"] and rep["resume_logprobs_bitwise"]
     assert rep["start_from_folder_bitwise"]  # lora.adapter: the exported folder back in, exactly
     assert rep["after_resize_base_unchanged"] and rep["after_resize_optimizer_states"] == 2 * adapters
+    # growing back: the rejoining rank moved only the adapters and their AdamW state (moments, steps) and the
+    # update count; its base came from the checkpoint; both replicas hold the same shards
+    grow = rep["grow"]
+    assert all(part["bitwise_equal"] for part in grow)
+    joined = grow[1]
+    assert joined["bytes_moved"] < 4 * joined["trained_bytes"] < joined["model_bytes"]
     # the peft folder, loaded by peft onto the base checkpoint, gives the trainer's log-probs
     assert rep["adapter_modules"] == adapters
     trained = torch.tensor(rep["trainer_logprobs"])

@@ -110,6 +110,24 @@ if adapted.active:
     shards = local_shards(adapted.model)
     report["after_resize_base_unchanged"] = all(torch.equal(base_before[n], shards[n]) for n in base_before)
     report["after_resize_optimizer_states"] = len(adapted.optimizer.state)
+
+# and back to 2 replicas: the rank that rejoins reads the frozen base from the checkpoint and receives only the
+# adapters and their AdamW state; both replicas then hold the same shards, bitwise
+grow = adapted.resize(2, bucket_bytes=1 << 20)
+shards = [t.clone() for t in local_shards(adapted.model).values()]
+theirs = [torch.empty_like(t) for t in shards]
+for mine, other in zip(shards, theirs):
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    torch.distributed.all_gather(gathered, mine)
+    other.copy_(gathered[1 - rank])
+report_grow = {"bitwise_equal": all(torch.equal(a, b) for a, b in zip(shards, theirs))}
+if rank == 1:
+    trained = sum(p.numel() * p.element_size() for p in adapted.model.parameters() if p.requires_grad)
+    everything = sum(p.numel() * p.element_size() for p in adapted.model.parameters())
+    report_grow.update(bytes_moved=grow.bytes_moved, trained_bytes=trained, model_bytes=everything)
+grown = [None] * world
+torch.distributed.all_gather_object(grown, report_grow)
+report["grow"] = grown
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f)
