@@ -26,7 +26,7 @@ def _rows(dump: str) -> list[dict]:
         return [r for r in map(json.loads, f) if "reward_mean" in r]
 
 
-@pytest.mark.parametrize("mode", ["reflow", "one_step_off", "sync"])
+@pytest.mark.parametrize("mode", ["reflow", "async", "one_step_off", "sync"])
 def test_lora_trains_with_adapter_syncs(tmp_path, mode):
     dump = str(tmp_path / mode)
     steps = 6 if mode == "reflow" else 3
