@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from reflow.trainer.hf_shards import ShardWriter
-from reflow.trainer.lora import PEFT_CONFIG, PEFT_WEIGHTS, adapters_of, merge
+from reflow.trainer.lora import PEFT_CONFIG, PEFT_WEIGHTS, adapters_of, build_adapter_plan, merge
 
 HF_SIDE_FILES = (
     "config.json",
@@ -169,9 +169,10 @@ def export_hf(model: torch.nn.Module, adapter, out_dir: str, source_dir: str, gr
 
 
 @torch.no_grad()
-def export_peft_adapter(model: torch.nn.Module, adapter, out_dir: str, source_dir: str, lora, group=None) -> int:
+def export_peft_adapter(model: torch.nn.Module, adapter, model_config, out_dir: str, source_dir: str, lora,
+                        group=None) -> int:
     """A LoRA policy's adapters as a ``peft`` folder (``adapter_config.json`` and ``adapter_model.safetensors``,
-    the names ``peft`` and vLLM read: ``base_model.model.<HF module>.lora_A.weight``), which loads onto the
+    in the layout of ``reflow.trainer.lora.build_adapter_plan``, which ``peft`` and vLLM read), loadable onto the
     source checkpoint. Every trainer rank of ``group`` calls (each adapter is gathered); the group's first rank
     writes. Returns the number of adapted projections. ``lora``: the run's [lora] section."""
     from safetensors.torch import save_file
@@ -180,26 +181,17 @@ def export_peft_adapter(model: torch.nn.Module, adapter, out_dir: str, source_di
         raise ValueError("lora.train_embeddings / lora.train_head: an adapter folder holds adapters only; the "
                          "merged export (hf_final) has the trained embeddings and head")
     rank = dist.get_rank(group) if dist.is_initialized() else 0
+    plan = build_adapter_plan(model_config, adapter, lora, source_dir)
     state = model.state_dict()
     tensors = {}
-    for key, (a_key, b_key) in adapters_of(state, state).items():
-        a, b = full_tensor(state[a_key]), full_tensor(state[b_key])  # collectives, on every rank of the group
-        (hf_weight,) = adapter.to_hf({key: a}).keys()
-        module = "base_model.model." + hf_weight[: -len(".weight")]
-        tensors[f"{module}.lora_A.weight"] = a.detach().to("cpu", torch.float32).contiguous()
-        tensors[f"{module}.lora_B.weight"] = b.detach().to("cpu", torch.float32).contiguous()
+    for key, name, _ in plan.tensors:
+        full = full_tensor(state[key])  # collective, on every rank of the group
+        tensors[name] = full.detach().to("cpu", torch.float32).contiguous()
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
         save_file(tensors, os.path.join(out_dir, PEFT_WEIGHTS))
-        config = {
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-            "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
-            "base_model_name_or_path": os.path.abspath(source_dir), "fan_in_fan_out": False, "inference_mode": True,
-            "modules_to_save": None, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
-        }
         with open(os.path.join(out_dir, PEFT_CONFIG), "w") as f:
-            json.dump(config, f, indent=1)
+            json.dump(plan.config, f, indent=1)
     if dist.is_initialized():
         dist.barrier(group=group)
     return len(tensors) // 2
-

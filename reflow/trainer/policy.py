@@ -621,7 +621,8 @@ class PolicyTrainer:
         if self.lora is None:
             raise ValueError("export_adapter: this policy has no LoRA adapters (lora.rank = 0)")
         self.unpark()
-        return export_peft_adapter(self.model, self.adapter, out_dir, self.hf_dir, self.lora, group=self.group)
+        return export_peft_adapter(self.model, self.adapter, self.model_config, out_dir, self.hf_dir, self.lora,
+                                   group=self.group)
 
     # ---- Stateful (distributed checkpoint) -------------------------------------
 
