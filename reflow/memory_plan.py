@@ -270,8 +270,10 @@ def memory_plan(cfg, recipe, placement) -> MemoryPlan:
     tp = placement.rollout_tp
     engine_weights = Term("engine weights", int(2 * num_params / tp), "rollout.tensor_parallel_degree")
     if cfg.lora.syncs_adapters:  # the base, and a LoRA run's adapter versions (as many as RolloutEngine batches)
-        mode = cfg.training.mode
-        versions = (0 if mode == "sync" else 1 if mode == "one_step_off" else cfg.replay.delta) + 2
+        from reflow.config.mode_settings import resolve_settings
+
+        settings = None if cfg.training.mode == "sync" else resolve_settings(cfg)
+        versions = (0 if settings is None else settings.max_head_lag or settings.delta) + 2
         engine_weights = Term("engine weights and adapters",
                               engine_weights.bytes + int(2 * versions * lora_parameters(arch, cfg.lora) / tp),
                               "rollout.tensor_parallel_degree / lora.rank")

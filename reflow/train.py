@@ -296,8 +296,12 @@ def build_components(
     # sync mode with a sync every few steps sleeps its engines at level 1 again and again: the pinned weight
     # backup is worth keeping cached between sleeps (elsewhere a wake releases it)
     # a LoRA run's engines serve the base with an adapter per policy version: the newest and every one a
-    # trajectory in flight may still be on (the mode's staleness bound)
-    staleness = 0 if cfg.training.mode == "sync" else resolve_settings(cfg).delta
+    # trainable trajectory may still be on (the mode's bound on a sample's oldest token)
+    if cfg.training.mode == "sync":
+        staleness = 0
+    else:
+        settings = resolve_settings(cfg)
+        staleness = settings.max_head_lag or settings.delta
     engine = RolloutEngine(
         cfg.rollout, recipe, hf_dir, seed=cfg.job.seed + rank // cfg.rollout.tensor_parallel_degree,
         keeps_weight_backup=cfg.training.mode == "sync" and cfg.weight_sync.interval > 1,

@@ -73,15 +73,11 @@ def padding_stops(tokenizer) -> list[int]:
 @dataclass(frozen=True)
 class AdapterSlots:
     """A LoRA run's engine settings: the adapters' rank, and how many versions it keeps loaded at once (the
-    newest and the ``replay.delta`` before it: a trajectory on an older one is too stale to train)."""
+    newest and the ones before it that a trainable trajectory may still be on: the mode's bound on a sample's
+    oldest token, ``max_head_lag`` or delta)."""
 
     rank: int
     versions: int
-
-    @classmethod
-    def of(cls, lora, delta: int) -> "AdapterSlots | None":
-        """From the [lora] section and replay.delta (None without LoRA)."""
-        return cls(lora.rank, delta + 1) if lora.enabled else None
 
 
 class RolloutEngine:
@@ -206,7 +202,10 @@ class RolloutEngine:
         if self.adapters is None:
             self.engine.add_request(engine_id, prompt, self._params(req))
         else:  # the adapter it started on, to its end (a resubmitted request keeps it)
-            if req.adapter_version is None:
+            if req.adapter_version is None or (req.adapter_version and req.adapter_version not in self.loaded):
+                # new; or its version is gone (held past the versions kept, when its head is too old to train, or
+                # handed over from another engine at a placement change): on under the newest from here, each
+                # token labelled with the version that samples it, as under full-weight syncs
                 req.adapter_version = self.version
             self.engine.add_request(engine_id, prompt, self._params(req),
                                     lora_request=self.loaded.get(req.adapter_version))

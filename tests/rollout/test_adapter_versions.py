@@ -15,6 +15,7 @@ def test_requests_finish_on_their_own_adapter_version(tmp_path):
     assert rep["first_versions"] == [0] and rep["second_versions"] == [1]  # one version per trajectory
     assert rep["second_first_logprob_moved"] == 4 and rep["second_tokens_differ"] == 4  # sampled under the adapter
     assert rep["loaded_after_v3"] == [2, 3] and rep["vllm_adapters_after_v3"] == [3, 4]  # the newest two (ids v + 1)
+    assert rep["repinned_to"] == 3 and rep["repinned_versions"] == [1, 3]  # its own token, then the newest's
     # vLLM serves the folder as peft applies it (float32 both, different kernels: 1.4e-6 measured on a trained
     # adapter), and the adapter does move the model
     assert rep["vllm_vs_peft_max_diff"] < 1e-4 < rep["adapter_moves_logprobs"]

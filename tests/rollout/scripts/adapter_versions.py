@@ -102,6 +102,16 @@ report["adapter_moves_logprobs"] = float((peft_logprobs[-12:] - base_logprobs).a
 for version in (2, 3):
     engine.load_adapter(adapter_folder(version), version)
 report["loaded_after_v3"] = sorted(engine.loaded)
+# a request on a version this engine no longer has (held past the versions kept, or handed over) goes on under the
+# newest: its later tokens are labelled with the version that samples them
+late = requests("d")[0]
+late.output_ids, late.logprobs, late.versions, late.model_spans = [5], [-1.0], [1], [[0, 1]]
+late.adapter_version = 1
+engine.add(late)
+while engine.num_active:
+    engine.step()
+report["repinned_to"] = late.adapter_version
+report["repinned_versions"] = sorted(set(late.versions))
 report["vllm_adapters_after_v3"] = sorted(engine.engine.list_loras())
 with open(sys.argv[1], "w") as f:
     json.dump(report, f)
