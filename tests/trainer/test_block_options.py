@@ -4,12 +4,14 @@ to float rounding); both keep the state-dict names that checkpoints, the HF adap
 
 import json
 
+import pytest
+
 from tests.conftest import run_torchrun
 
 
-def _report(tmp_path, option: str, seeds: int = 1) -> dict:
+def _report(tmp_path, option: str, seeds: int = 1, lora_rank: int = 0) -> dict:
     out = tmp_path / "report.json"
-    run_torchrun(2, ["tests/trainer/scripts/block_options.py", str(out), option, str(seeds)])
+    run_torchrun(2, ["tests/trainer/scripts/block_options.py", str(out), option, str(seeds), str(lora_rank)])
     return json.loads(out.read_text())
 
 
@@ -28,8 +30,11 @@ COMPILED_LOSS_RTOL = 1e-4
 COMPILED_GRAD_NORM_RTOL = 4e-4
 
 
-def test_compiled_blocks_train_alike_through_a_resize(tmp_path):
-    rep = _report(tmp_path, "compile", seeds=4)
+@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora"])
+def test_compiled_blocks_train_alike_through_a_resize(tmp_path, lora_rank):
+    """(With LoRA, as the GPU LoRA recipes compile: the adapters' first steps measured 1.2e-5 and 1.9e-6 at
+    most on the 4 seeds, the shards 1.7e-5 apart: within the same bounds.)"""
+    rep = _report(tmp_path, "compile", seeds=4, lora_rank=lora_rank)
     assert rep["wrapped"] == {"False": 0, "True": 4}  # every block of the tiny model compiled, in place
     assert rep["same_keys"] and not rep["wrapper_in_keys"]
     # Inductor's fused kernels round differently: the first step's loss and gradient norm agree to float32

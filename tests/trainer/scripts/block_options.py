@@ -2,7 +2,7 @@
 'compile'), through a resize (2 replicas -> 1): the shards after it (bitwise equal, and the largest
 difference), the same state-dict names. argv[3] (optional, default 1): how many data seeds the first step
 is also compared on (the relative difference of its loss and gradient norm, per seed). Writes a JSON report
-to argv[1]."""
+to argv[1]. argv[4] (optional, default 0): a LoRA rank, for the same run with adapters on every projection."""
 
 import json
 import sys
@@ -34,6 +34,7 @@ def virtual(k: int, seed: int = 0):
 
 OPTION = sys.argv[2]
 NUM_SEEDS = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+LORA_RANK = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # LoRA adapters on every projection (0: none)
 SETTINGS = {"activation_checkpointing": ("none", "full"), "compile": (False, True)}[OPTION]
 
 
@@ -42,6 +43,7 @@ def build(value) -> PolicyTrainer:
     cfg.training.lr = 2e-3
     cfg.training.num_minibatches = 2
     cfg.kl.coef = 0.05
+    cfg.lora.rank = LORA_RANK
     setattr(cfg.training, OPTION, value)
     return PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 2, device)
 
