@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             parts.logger.info(f"exported the LoRA adapters in peft format to {adapters} (base: {parts.trainer.hf_dir})")
     parts.logger.close()
     parts.timeline.close()
-    if parts.agents is not None:  # the endpoint's server and the agents' loop (no episode is left by now)
+    if parts.agents is not None:  # the agents' process: its endpoint and agents (no episode is left by now)
         parts.agents.close()
     dist.barrier()
     # vLLM's exit hook tears down its own process groups; it needs the default group alive then

@@ -3,11 +3,12 @@
 ``reflow.serving.server``).
 
     app = build_app(ServedModel(loop, tokenizer, "tiny", max_model_len=256), api_key="...")   # a checkpoint
-    app = build_app(agent_endpoint, api_key="...")          # agent episodes of a run (reflow.serving.agents)
+    app = build_app(episode_backend, api_key="...")         # agent episodes of a run (reflow.serving.agent_host)
 
 The API parses and checks a call into a ``Call`` (the prompt's tokens, and the messages or text they came
 from) and asks its backend for the completions: ``ServedModel`` samples them on an ``EngineLoop``; a run's
-``AgentEndpoint`` adds them to an agent episode's trajectory. Each backend is served under its routes: a
+``EpisodeBackend`` (in the agents' process) sends them to the episode's driver, which adds them to the
+episode's trajectory. Each backend is served under its routes: a
 checkpoint at ``/v1/...``, an episode at ``/episodes/<episode>/v1/...`` (the base URL its agent's client has).
 
 Every request needs ``Authorization: Bearer <api_key>``. A malformed request, an unknown model, a prompt that
