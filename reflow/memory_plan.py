@@ -15,7 +15,7 @@ A rank is in one of three roles, each with the phases it passes through:
 
 The trainer's terms, per rank, for N parameters over a shard degree S (FSDP2 keeps float32 shards, gradients
 and AdamW state; ``training.param_dtype`` is what it gathers in, p bytes a value):
-  parameter shards          4 N / S
+  parameter shards          4 N / S              (LoRA: 4 T / S + p (N - T) / S, the frozen base kept in p)
   gradient shards           4 N / S              (LoRA: 4 T / S, T the trained parameters: the adapters, and
                                                  the embeddings and head when lora trains them)
   AdamW moments             8 N / S              (exp_avg and exp_avg_sq; LoRA: 8 T / S)
@@ -223,7 +223,9 @@ def trainer_terms(cfg, arch, num_params: int, shard_degree: int) -> list[Term]:
     chunk = training.logprob_chunk_tokens if training.logprob_chunk_tokens > 0 else tokens
     chunk = min(chunk, tokens)
     terms = [
-        Term("parameter shards", int(4 * per_shard), "placement.trainer_shard_degree"),
+        # (a LoRA run keeps its frozen base in the gather dtype: reflow.trainer.lora.store_frozen_in)
+        Term("parameter shards", int(4 * trained_per_shard + param * (per_shard - trained_per_shard)) if cfg.lora.enabled
+             else int(4 * per_shard), "placement.trainer_shard_degree"),
         Term("gradient shards", int(4 * trained_per_shard), "placement.trainer_shard_degree / lora.rank"),
         Term("AdamW moments", int(8 * trained_per_shard), "placement.trainer_shard_degree / lora.rank"),
     ]

@@ -98,11 +98,6 @@ def _validate_scheduler(cfg: JobConfig, fail) -> None:
             fail("scheduler.adaptive_placement", f"moves ranks in 'reflow' mode only (training.mode = {mode!r})")
         if cfg.placement.schedule:
             fail("scheduler.adaptive_placement", "and placement.schedule both decide the placement: set one of them")
-    # 3. what LoRA does not combine with (yet)
-    if cfg.lora.syncs_adapters and cfg.rollout.tensor_parallel_degree > 1:
-        fail("lora.rank", f"= {cfg.lora.rank}: adapter versions are not replayed on a tensor-parallel engine's "
-             f"other ranks yet (rollout.tensor_parallel_degree = {cfg.rollout.tensor_parallel_degree}); use 1, or merged "
-             "syncs (lora.train_head = lora.train_embeddings = true)")
 
 
 def validate_world(cfg: JobConfig, world_size: int, where=lambda key: "default"):

@@ -110,6 +110,20 @@ def apply_lora(model: nn.Module, lora: "LoraSection", projections: dict[str, str
     return adapted
 
 
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Keep ``model``'s frozen parameters (a LoRA run's base) in ``dtype``, the dtype FSDP2 gathers them in
+    (``training.param_dtype``): their values reach the forward exactly as before, at half the resident bytes
+    for bf16, with no gradient or optimizer state to keep in float32. On meta, before FSDP2 (which needs one
+    dtype across the trained parameters only). Returns how many parameters changed dtype."""
+    changed = 0
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.requires_grad and param.dtype != dtype:
+                setattr(module, name, nn.Parameter(param.detach().to(dtype), requires_grad=False))
+                changed += 1
+    return changed
+
+
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
     """Every adapted projection of ``model``, by its path (``layers.0.attention.qkv_linear.wq``)."""
     return {name: module for name, module in model.named_modules() if isinstance(module, LoraLinear)}

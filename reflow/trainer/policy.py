@@ -59,6 +59,7 @@ from reflow.trainer.lora import (
     init_lora,
     load_adapter_folder,
     model_projections,
+    store_frozen_in,
     trainable_parameters,
 )
 from reflow.trainer.offload import HostParking
@@ -214,6 +215,7 @@ class PolicyTrainer:
             module._skip_lm_head = True  # forward returns the final hidden states: ``chunked_token_logprobs``
             if trainable and self.lora is not None:  # (before the wrappers: the adapters' paths are the layers')
                 apply_lora(module, self.lora, self.projections)
+                store_frozen_in(module, param_dtype)  # the frozen base as it is gathered (bf16: half the bytes)
             if trainable and training.activation_checkpointing == "full":
                 apply_full_activation_checkpointing(module)
             if trainable and training.compile:  # the reference runs one forward per step: not worth a compile

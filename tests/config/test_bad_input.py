@@ -228,12 +228,6 @@ def test_bad_lora_settings_are_one_line_naming_the_key(capsys, monkeypatch, over
     one_error(capsys, monkeypatch, ["--config", TINY, "--lora.rank=8", override], *expected)
 
 
-def test_lora_with_a_tensor_parallel_engine_is_refused_before_ranks_start(tmp_path, capsys, monkeypatch):
-    tp = ["--training.mode=reflow", "--placement.trainer_shard_degree=1", "--placement.num_rollout_ranks=2",
-          "--rollout.tensor_parallel_degree=2"]
-    one_error(capsys, monkeypatch, ["--config", TINY, "--lora.rank=8", *tp], "lora.rank", "tensor-parallel", world=3)
-
-
 def test_lora_on_tied_embeddings_trains_both_or_neither(tmp_path, capsys, monkeypatch):
     one_error(capsys, monkeypatch, ["--config", os.path.join(ROOT, "train_configs", "qwen3_4b.toml"), "--lora.rank=8",
                                     "--lora.train_head=true"], "lora.train_head", "ties", world=8)

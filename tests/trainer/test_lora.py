@@ -34,6 +34,9 @@ def test_lora_starts_as_the_base_trains_only_adapters_and_exports_merged(tmp_pat
     assert all(part["bitwise_equal"] for part in grow)
     joined = grow[1]
     assert joined["bytes_moved"] < 4 * joined["trained_bytes"] < joined["model_bytes"]
+    # bf16 gathers: the frozen base is kept in bf16 (half its bytes) and changes nothing the forward sees
+    assert rep["bf16_frozen_dtypes"] == ["torch.bfloat16"] and rep["bf16_trained_dtypes"] == ["torch.float32"]
+    assert rep["bf16_init_logprobs_bitwise"] and rep["bf16_trains"]
     # the peft folder, loaded by peft onto the base checkpoint, gives the trainer's log-probs
     assert rep["adapter_modules"] == adapters
     trained = torch.tensor(rep["trainer_logprobs"])

@@ -38,9 +38,10 @@ def batch(k: int):
                 [1.0, -1.0, 0.5, -0.5], [1.0] * 4, [0.0] * 4, 0)
 
 
-def build(lora_rank: int, adapter: str = "") -> PolicyTrainer:
+def build(lora_rank: int, adapter: str = "", param_dtype: str = "float32") -> PolicyTrainer:
     cfg = JobConfig()
     cfg.lora.adapter = adapter
+    cfg.training.param_dtype = param_dtype
     cfg.training.lr = 5e-3
     cfg.training.num_minibatches = 2
     cfg.training.activation_checkpointing = "full"
@@ -128,6 +129,14 @@ if rank == 1:
 grown = [None] * world
 torch.distributed.all_gather_object(grown, report_grow)
 report["grow"] = grown
+# bf16 gathers (the GPU recipes'): the frozen base is kept in bf16, the adapters in float32, and the model is the
+# bf16 trainer's without LoRA, bitwise, at step 0
+plain16, lora16 = build(0, param_dtype="bfloat16"), build(8, param_dtype="bfloat16")
+report["bf16_frozen_dtypes"] = sorted({str(p.dtype) for p in lora16.model.parameters() if not p.requires_grad})
+report["bf16_trained_dtypes"] = sorted({str(p.dtype) for p in lora16.model.parameters() if p.requires_grad})
+report["bf16_init_logprobs_bitwise"] = bool(torch.equal(plain16.compute_logprobs(probe), lora16.compute_logprobs(probe)))
+lora16.train_step([batch(60 + rank)])
+report["bf16_trains"] = not bool(torch.equal(plain16.compute_logprobs(probe), lora16.compute_logprobs(probe)))
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f)
