@@ -307,6 +307,8 @@ def build_components(
         keeps_weight_backup=cfg.training.mode == "sync" and cfg.weight_sync.interval > 1,
         adapters=AdapterSlots(cfg.lora.rank, staleness + 1) if cfg.lora.syncs_adapters else None,
     )
+    if cfg.lora.syncs_adapters and cfg.lora.adapter:  # the policy at version 0: the base with that adapter
+        engine.load_adapter(resolve_path(cfg.lora.adapter), 0)
     log.info(f"vLLM engines built in {time.time() - t0:.1f}s")
     if device.type == "cpu":
         log.info("CPU run: vLLM sleep/wake and trainer offload are no-ops")

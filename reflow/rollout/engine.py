@@ -150,9 +150,10 @@ class RolloutEngine:
         self.keeps_weight_backup = keeps_weight_backup
         self.version = 0
         self.adapters = adapters
-        self.loaded: dict[int, object] = {}
-        """A LoRA run's adapters in the engine, by policy version (vLLM ``LoRARequest``s; version 0, the base
-        model exactly (B = 0), is served without one)."""
+        self.loaded: dict[int, object] = {0: None}
+        """A LoRA run's adapter versions in the engine: each one's vLLM ``LoRARequest``, or None for version 0
+        served as the base (exactly the policy when the adapters start at B = 0; a run that starts from an
+        adapter folder loads it as version 0)."""
         self.asleep: set[str] = set()
         """vLLM's memory tags ("weights", "kv_cache") not mapped on the device now (CUDA; always empty on CPU)."""
         self.weights_discarded = False
@@ -202,13 +203,13 @@ class RolloutEngine:
         if self.adapters is None:
             self.engine.add_request(engine_id, prompt, self._params(req))
         else:  # the adapter it started on, to its end (a resubmitted request keeps it)
-            if req.adapter_version is None or (req.adapter_version and req.adapter_version not in self.loaded):
+            if req.adapter_version is None or req.adapter_version not in self.loaded:
                 # new; or its version is gone (held past the versions kept, when its head is too old to train, or
                 # handed over from another engine at a placement change): on under the newest from here, each
                 # token labelled with the version that samples it, as under full-weight syncs
                 req.adapter_version = self.version
             self.engine.add_request(engine_id, prompt, self._params(req),
-                                    lora_request=self.loaded.get(req.adapter_version))
+                                    lora_request=self.loaded[req.adapter_version])
         self.active[engine_id] = req
 
     @property
@@ -310,7 +311,9 @@ class RolloutEngine:
         in_use = {req.adapter_version for req in self.active.values()}
         for old in sorted(self.loaded):
             if old <= version - self.adapters.versions and old not in in_use:
-                self.engine.remove_lora(self.loaded.pop(old).lora_int_id)
+                request = self.loaded.pop(old)
+                if request is not None:
+                    self.engine.remove_lora(request.lora_int_id)
         return time.time() - t0
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
