@@ -212,8 +212,6 @@ def check_adapter_folder(folder: str, plan: AdapterPlan, lora, key: str = "lora.
     """A peft adapter folder this run can start from: a ValueError naming ``key`` and the file otherwise (its
     config's rank, alpha and targets against [lora]'s, its tensors' names and shapes against the model's; only
     the safetensors header is read)."""
-    from reflow.trainer.hf_io import check_safetensors  # (hf_io imports this module)
-
     config_path, weights = os.path.join(folder, PEFT_CONFIG), os.path.join(folder, PEFT_WEIGHTS)
     if not os.path.isfile(config_path) or not os.path.isfile(weights):
         raise ValueError(f"{key}: {folder} is not a peft adapter folder (it needs {PEFT_CONFIG} and {PEFT_WEIGHTS})")
@@ -230,9 +228,12 @@ def check_adapter_folder(folder: str, plan: AdapterPlan, lora, key: str = "lora.
     if sorted(targets or []) != sorted(lora.target_modules):
         raise ValueError(f"{key}: {config_path} adapts {targets}, this run's lora.target_modules "
                          f"{sorted(lora.target_modules)}")
-    check_safetensors(weights, key)
-    with open(weights, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    try:
+        with open(weights, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        assert isinstance(header, dict)
+    except (OSError, ValueError, AssertionError, MemoryError):
+        raise ValueError(f"{key}: {weights} is not a readable safetensors file") from None
     have = {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
     expected = {name: shape for _, name, shape in plan.tensors}
     missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
