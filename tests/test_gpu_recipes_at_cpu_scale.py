@@ -89,7 +89,8 @@ gpu_memory_utilization = 0.0
 
 def _registry_flavor_recipe(folder) -> str:
     """A recipe of torchtitan's ``debugmodel`` registry flavor (the class the GPU recipes build, fused q/k/v and
-    tied embeddings) and a Hugging Face checkpoint of its shape with random weights and the tiny tokenizer."""
+    tied embeddings) and a Hugging Face checkpoint of its shape with random weights and the tiny tokenizer, saved
+    in bf16 as Qwen's checkpoints are."""
     import shutil
 
     transformers = pytest.importorskip("transformers")
@@ -101,7 +102,7 @@ def _registry_flavor_recipe(folder) -> str:
     for key in ("architectures", "transformers_version", "dtype"):
         config.pop(key, None)
     torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config)).save_pretrained(hf)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config)).to(torch.bfloat16).save_pretrained(hf)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         shutil.copy(os.path.join(TINY_HF, name), hf)
     path = os.path.join(folder, "tiny_registry.toml")
@@ -118,8 +119,9 @@ def test_a_decoupled_recipe_on_a_registry_flavor_checkpoints_resumes_syncs_and_e
     path that crashed at the first checkpoint before the flavors were built unfused. The HF load, FSDP2, the
     checkpoint, the resume, the weight sync into vLLM and the HF export all cross the fused layout's names. The
     weights are random, so no answer scores and the policy does not move: the export must equal the checkpoint
-    it started from, bit for bit. The LoRA recipe the same way, with adapter syncs into vLLM (every adapter's
-    B is still 0: the merged export equals the source too)."""
+    it started from, bit for bit (the export is fp32, the bf16 source widened). The LoRA recipe the same way, with
+    adapter syncs into vLLM (every adapter's B is still 0, and the frozen base is kept in bf16, the gather dtype:
+    the merged export equals the source too; an fp32 source would come back rounded to bf16)."""
     from safetensors.torch import load_file
 
     recipe = _registry_flavor_recipe(str(tmp_path / "model"))
@@ -136,7 +138,8 @@ def test_a_decoupled_recipe_on_a_registry_flavor_checkpoints_resumes_syncs_and_e
     assert [r["step"] for r in _rows(dump)] == [1, 2, 3]
     exported = load_file(os.path.join(dump, "hf_final", "model.safetensors"))
     source = load_file(os.path.join(tmp_path, "model", "hf", "model.safetensors"))
-    assert exported.keys() == source.keys() and all(torch.equal(exported[k], source[k]) for k in source)
+    assert source["model.norm.weight"].dtype == torch.bfloat16
+    assert exported.keys() == source.keys() and all(torch.equal(exported[k], source[k].float()) for k in source)
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(dump, "hf_final"), dtype=torch.float32)
     assert torch.isfinite(model(torch.tensor([[3, 4, 5]])).logits).all()
