@@ -268,14 +268,15 @@ class WorkerStats:
     step_sequences: int = 0
     """Sequences summed over the engine steps (mean in flight = step_sequences / engine_steps)."""
     prefilled_tokens: int = 0
-    """Prompt and prefix tokens the engine prefilled: new requests, and held ones again after a sync."""
+    """Prompt and prefix tokens the engine prefilled: new requests, and those a sync preempted, again."""
     sync_s: float = 0.0
-    """Weight syncs from the worker's side: the broadcast, the engine's reload and the held requests added back
-    (its first-token steps are engine time, its evaluation busy time)."""
+    """Weight syncs from the worker's side: the broadcast and the engine's reload (and, at a sync that evaluates,
+    the held requests added back; its first-token steps are engine time, its evaluation busy time)."""
     syncs: int = 0
     held_at_sync: int = 0
-    """Requests a weight sync stopped and put back (prefilled again): every one in flight at a full-weight sync;
-    none at a LoRA run's adapter sync unless it evaluates (``Engine.pins_versions``)."""
+    """Requests whose prompt and prefix a weight sync made the engine prefill again: at a full-weight sync every
+    one holding KV (``Engine.holding_kv``; queued ones wait on untouched), at a sync that evaluates every one in
+    flight; none at a LoRA run's adapter sync unless it evaluates (``Engine.pins_versions``)."""
     preemptions: int = 0
     admitted_groups: int = 0
     gate_refusals: int = 0

@@ -2,9 +2,10 @@
 
     loop  1. commands     take what trainer rank 0 sent (only here, never inside an engine step):
                             SyncWeights(v)  (one_step_off: step until every admitted request has its first
-                                            token) hold the requests in flight with their prefix, join the
-                                            weight sync, resume them under version v (partial rollouts; a
-                                            request without a token starts under v)
+                                            token) join the weight sync: the engine reloads under the
+                                            requests in flight, and those holding KV prefill their prefix
+                                            again under version v (partial rollouts; a request without a
+                                            token starts under v)
                             Progress        hand the trainer's counts (and, with the global dispatcher,
                                             this rank's grants) to the dispatch budget, and the shards'
                                             unused counts to the router
@@ -26,8 +27,9 @@
 
 one_step_off's first-token rule (``ModeSettings.first_tokens_before_sync``) makes a sample's birth version (its
 oldest token) equal to the version it was admitted under, which its exactness needs. async and reflow skip
-it: a request with no token yet is held empty and starts under the new weights, later and fresher, never
-staler, as a group the gate holds back does; so the trainers never wait on those prefill steps at a sync.
+it: a request with no token yet waits in the engine's queue across the sync and starts under the new weights,
+later and fresher, never staler, as a group the gate holds back does; so the trainers never wait on those
+prefill steps at a sync.
 """
 
 from __future__ import annotations
@@ -298,27 +300,30 @@ class RolloutWorker:
             self._hold_load_resume(version)
 
     def _hold_load_resume(self, version: int) -> None:
-        """A weight sync: 1. hold what is in flight (one_step_off: after its first tokens), 2. load version v,
-        3. evaluate it (at an interval), 4. resume the held partial rollouts under v. An engine that pins
-        versions (a LoRA run's adapters) holds nothing unless it evaluates: the requests in flight finish on the
-        adapter they started on, and only new ones take v (no abort, no prefill again)."""
+        """A weight sync: 1. one_step_off: step until every admitted request has its first token, 2. load version
+        v under the requests in flight: those holding KV are preempted by the reload and prefill their prompt
+        and prefix again under v (partial rollouts: each token keeps the version that sampled it), queued ones
+        wait on untouched, 3. evaluate v (at an interval; the engine is emptied first and refilled after: the
+        evaluation runs on an engine of its own requests). Nothing leaves the engine otherwise: taking every
+        request out and adding it back cost the worker a submission per request in flight, queued ones included,
+        at every sync. An engine that pins versions (a LoRA run's adapters) preempts nothing: the requests in
+        flight finish on the adapter they started on, and only new ones take v."""
         t0 = self.clock()
-        if self.engine.pins_versions and not self._evaluates(version):
-            held = []
-        else:
-            if not self.engine.pins_versions:
-                self._first_tokens()
-            held = self.turns.hold_all()  # trajectories waiting on a tool stay there, and resume under version v
+        if not self.engine.pins_versions:
+            self._first_tokens()
+        held = self.turns.hold_all() if self._evaluates(version) else []  # trajectories at a tool stay there
+        reloaded = [] if self.engine.pins_versions else self.engine.holding_kv()
         self._count_busy(self.clock() - t0)
         self._tell_followers("sync", version)
         t1 = self.clock()
         self.weight_sync.sync(None, self.engine, version)
         synced = self.clock() - t1
         self._evaluate(version)
-        # partial rollouts continue from their prefix, turns and all; each token keeps its version. The reload
-        # reset the prefix cache, so the engine prefills every held prompt and prefix again
-        self.stats.prefilled_tokens += sum(len(req.prompt_ids) + len(req.output_ids) for req in held)
-        self.stats.held_at_sync += len(held)
+        # prefilled again under v: the prompt and prefix of every request the reload preempted or the evaluation
+        # held (the reload reset the prefix cache)
+        again = held + reloaded
+        self.stats.prefilled_tokens += sum(len(req.prompt_ids) + len(req.output_ids) for req in again)
+        self.stats.held_at_sync += len(again)
         t2 = self.clock()
         self.turns.resume(held)
         self.stats.sync_s += synced + self.clock() - t2

@@ -246,7 +246,7 @@ class RolloutEngine:
     def step_until_started(self) -> list[Request]:
         """Step until every request in flight has at least one token; returns those that finished meanwhile.
 
-        Called before ``hold_all`` at a weight sync, so that a request's first token always comes from the
+        Called before a weight sync (one_step_off), so that a request's first token always comes from the
         weights it was admitted under: its birth version (the oldest of its tokens) is its admission version.
         Admission is capped by ``max_num_seqs``, so this is normally one step (the prefills of the newest
         requests)."""
@@ -258,8 +258,10 @@ class RolloutEngine:
     def hold_all(self) -> list[Request]:
         """Stop every in-flight request, keeping what it generated so far (tokens, log-probs, versions).
 
-        Used at a weight sync: ``add`` the returned requests afterwards and they continue from their
-        prefix under the new weights (partial rollout); each token keeps the version that produced it."""
+        Used where the engine must be empty: a placement change (the partial rollouts go to another engine) and
+        a sync that evaluates; ``add`` the returned requests afterwards and they continue from their prefix
+        (prefilled again, under whatever weights the engine has then); each token keeps the version that
+        produced it. A plain weight sync holds nothing (``load_weights``)."""
         held = list(self.active.values())
         if self.mirror is not None:
             self.mirror.record_hold_all()
@@ -316,14 +318,26 @@ class RolloutEngine:
                     self.engine.remove_lora(request.lora_int_id)
         return time.time() - t0
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
-        """Replace the engine's weights in place (HF names) and drop the prefix cache; returns seconds taken.
+    def holding_kv(self) -> list[Request]:
+        """(``Engine.holding_kv``) The requests in flight whose KV the engine holds now (prefilled or decoding):
+        the ones a reload preempts. A request still queued, never scheduled or preempted already, holds none."""
+        holders = self.signal_reader.kv_holders()
+        return [req for engine_id, req in self.active.items() if engine_id in holders]
 
-        vLLM's reload_weights resets the LoRA, encoder and multimodal caches but not the prefix cache: a later
-        request whose prompt blocks are cached (a shared chat template or system prompt, the held-out prompts
-        at every evaluation, the prompt + prefix of a resumed partial rollout) would decode over KV the old
-        weights computed while its tokens are labelled with the new version. Nothing is in flight here (a
-        sync holds every request first), so every block is free and the reset cannot fail but loudly."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """Replace the engine's weights in place (HF names) with requests in flight; returns seconds taken.
+
+        The requests stay in the engine (a partial rollout is not taken out and added again). Those holding KV
+        (``holding_kv``) are preempted, their blocks freed, and go back to the head of vLLM's queue: scheduled
+        again, each prefills its prompt and prefix under the new weights and decodes on, every token labelled
+        with the version that sampled it. Requests still queued hold no KV and are untouched. Then the prefix
+        cache is dropped: vLLM's reload_weights resets the LoRA, encoder and multimodal caches but not the
+        prefix cache, and a later request whose prompt blocks are cached (a shared chat template or system
+        prompt, the held-out prompts at every evaluation, a preempted request's own prompt and prefix) would
+        decode over KV the old weights computed while its tokens are labelled with the new version. vLLM's
+        reset preempts the running requests first (``reset_running_requests``), so every block is free and the
+        reset cannot fail but loudly. Those preemptions are the reload's, not KV pressure: the signals leave
+        them out."""
         t0 = time.time()
         if "weights" in self.asleep:
             # map the weights' memory only (empty after level 2; after level 1 the old weights, overwritten now) and
@@ -335,11 +349,13 @@ class RolloutEngine:
             self.weights_discarded = False
             self._release_weight_backup()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
-        if not self.llm.reset_prefix_cache():
+        preempted = len(self.holding_kv())
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError(
-                f"vLLM could not reset its prefix cache after loading version {version} (blocks still in use: "
+                f"vLLM could not reset its prefix cache after loading version {version} (blocks still in use with "
                 f"{len(self.active)} requests in flight); decoding would read KV of the old weights"
             )
+        self.signal_reader.excuse_reload(preempted)
         self.version = version
         return time.time() - t0
 

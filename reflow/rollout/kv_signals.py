@@ -8,6 +8,8 @@ in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) is ``llm.llm_engine.eng
   block_size                                 tokens per block
   get_request_counts()                       (running, waiting)
   requests[id].num_preemptions               times that request was preempted (its KV blocks freed)
+  running, kv_holding_waiting                the requests that hold KV blocks (running, or waiting with blocks);
+                                             their ids are the caller's with "-" and 8 random characters added
 
 None of this is public API: ``EngineSignalReader`` checks every path when it is built and raises naming the
 one that moved, and ``tests/rollout/test_kv_signals.py`` builds a real engine under KV pressure, so a vLLM
@@ -44,12 +46,14 @@ class EngineSignalReader:
             manager = self.scheduler.kv_cache_manager
             blocks = manager.block_pool.num_gpu_blocks
             block_size = self.scheduler.block_size
-            probed = (manager.usage, self.scheduler.get_request_counts(), self.scheduler.requests)
+            probed = (manager.usage, self.scheduler.get_request_counts(), self.scheduler.requests,
+                      self.scheduler.running, self.scheduler.kv_holding_waiting)
         except AttributeError as e:
             raise RuntimeError(
                 "reading KV-cache signals from vLLM failed: the path llm.llm_engine.engine_core.engine_core.scheduler"
                 f"(.kv_cache_manager.usage / .block_pool.num_gpu_blocks / .block_size / .get_request_counts() / "
-                f".requests) changed in this vLLM version ({e}); update reflow/rollout/kv_signals.py"
+                f".requests / .running / .kv_holding_waiting) changed in this vLLM version ({e}); update "
+                "reflow/rollout/kv_signals.py"
             ) from e
         del probed  # read once above only to fail here, not in the first step
         self.manager = manager
@@ -57,6 +61,20 @@ class EngineSignalReader:
         self.kv_budget_tokens = (blocks - 1) * block_size  # the null block holds nothing
         self._live: dict[str, int] = {}  # preemptions of the requests the scheduler still holds
         self._retired = 0  # preemptions of requests it has let go
+        self._by_reloads = 0  # preemptions a weight reload made: not KV pressure
+
+    def kv_holders(self) -> set[str]:
+        """The ids (as the caller gave them) of the requests that hold KV blocks now: running, or waiting with
+        their blocks kept. A request queued and never scheduled, or preempted (its blocks freed), holds none.
+        vLLM adds "-" and 8 random characters to each id unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set:
+        both forms are in the set, and neither can be another request's id (the engine's end in "@n")."""
+        internal = [request.request_id for request in (*self.scheduler.running, *self.scheduler.kv_holding_waiting)]
+        return {*internal, *(request_id.rsplit("-", 1)[0] for request_id in internal)}
+
+    def excuse_reload(self, preempted: int) -> None:
+        """A weight reload preempted ``preempted`` requests on purpose (their KV was the old weights'): not
+        counted as the KV-pressure preemptions the concurrency controller reacts to."""
+        self._by_reloads += preempted
 
     def read(self) -> EngineSignals:
         running, waiting = self.scheduler.get_request_counts()
@@ -68,5 +86,5 @@ class EngineSignalReader:
             kv_budget_tokens=self.kv_budget_tokens,
             running=running,
             waiting=waiting,
-            preemptions=self._retired + sum(live.values()),
+            preemptions=self._retired + sum(live.values()) - self._by_reloads,
         )

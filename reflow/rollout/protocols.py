@@ -25,8 +25,9 @@ class Engine(Protocol):
     (``decode_steps`` decode steps: 1 live, a few in the simulator) and returns the requests that finished;
     ``hold_all`` stops every request in flight keeping its tokens, ``resume`` puts held ones back, ``abort``
     stops one (its tokens kept);
-    ``load_weights`` replaces the weights (every later token carries ``version``); ``signals`` are the KV
-    cache's after the latest step."""
+    ``load_weights`` replaces the weights under the requests in flight (every later token carries
+    ``version``): those holding KV (``holding_kv``) are preempted and prefill their prompt and prefix again,
+    queued ones are untouched; ``signals`` are the KV cache's after the latest step."""
 
     version: int
     signals: "EngineSignals"
@@ -52,6 +53,8 @@ class Engine(Protocol):
     def step_until_started(self) -> "list[Request]": ...
 
     def hold_all(self) -> "list[Request]": ...
+
+    def holding_kv(self) -> "list[Request]": ...
 
     def abort(self, request_id: str) -> "Request | None": ...
 

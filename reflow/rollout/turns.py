@@ -11,8 +11,9 @@ request goes back into the engine, where it resumes from its whole prefix. A tra
 the length limit (an answer that does not fit ends it too: it is not appended), when the environment
 answers None, or at a tool call past ``environment.max_turns``.
 
-Weight syncs: ``hold_all`` takes only what is in the engine; a trajectory waiting on its tool stays
-waiting and re-enters the engine under the new weights when its answer comes, with every turn it had.
+Weight syncs reload the engine under the requests in it (``Engine.load_weights``); a trajectory waiting on
+its tool stays waiting and re-enters the engine under the new weights when its answer comes, with every turn
+it had.
 Either way its tokens keep the versions that produced them, as any partial rollout's.
 
 A finished multi-turn trajectory is scored on the same threads (``task.reward`` may run the coding agent's
@@ -117,7 +118,8 @@ class TurnDriver:
         return run_to_end(self, stats)
 
     def hold_all(self) -> list[Request]:
-        """The engine's requests, stopped with their prefix (a weight sync); those waiting on a tool stay."""
+        """The engine's requests, stopped with their prefix (a placement change, a sync that evaluates); those
+        waiting on a tool stay."""
         return self.engine.hold_all()
 
     def resume(self, held: Iterable[Request]) -> None:

@@ -206,7 +206,8 @@ class AgentDriver:
         return run_to_end(self, stats)
 
     def hold_all(self) -> list[Request]:
-        """The turns in the engine, stopped with their prefix (a weight sync); they resume with ``resume``."""
+        """The turns in the engine, stopped with their prefix (a placement change, a sync that evaluates); they
+        resume with ``resume``."""
         return self.engine.hold_all()
 
     def resume(self, held: Iterable[Request]) -> None:

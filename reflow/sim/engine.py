@@ -178,8 +178,18 @@ class SimEngine:
                 [s for s in queue if s is not seq] for queue in (self.running, self.waiting, self.in_tool))
         return req
 
+    def holding_kv(self) -> list[Request]:
+        """The sequences holding KV blocks (running, and at their tool: the simulator keeps those in the cache)."""
+        return [seq.request for seq in self.running + self.in_tool]
+
     def load_weights(self, named_tensors, version: int) -> float:
-        """A weight sync (nothing is in flight: the worker held it): later tokens carry ``version``."""
+        """A weight sync under the requests in flight (``RolloutEngine.load_weights``): the running ones are
+        preempted to the head of the queue, in order, and each sequence holding KV prefills its prompt and
+        prefix again when it next runs; queued ones are untouched. Later tokens carry ``version``."""
+        for seq in self.running + self.in_tool:
+            seq.needs_prefill = seq.prompt_tokens + seq.generated
+        self.waiting[:0] = self.running
+        self.running = []
         self.version = version
         return 0.0
 

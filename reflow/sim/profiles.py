@@ -45,8 +45,8 @@ class CostProfile:
     """A rollout worker's seconds per decode step outside the engine step, neither busy nor idle (its
     commands polled, admission, its report)."""
     worker_sync_s: float = 0.0
-    """A rollout worker's seconds per weight sync beyond the broadcast the trainer times (the engine's reload,
-    the held requests added back): its held requests wait them out, neither busy nor idle."""
+    """A rollout worker's seconds per weight sync beyond the broadcast the trainer times (the engine's reload):
+    its requests in flight wait them out, neither busy nor idle."""
     train_time_ratios: tuple[float, ...] = ()
     """Measured train-step seconds over the fit's prediction, one per step: a simulated step's train time is
     the prediction times one of them, drawn at random (none: exactly the prediction). On a loaded machine a

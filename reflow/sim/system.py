@@ -622,10 +622,10 @@ class DecoupledSim:
 
     def _sync(self) -> float:
         """The weight sync, after the role evicted what the new version ages out: SyncWeights to every worker,
-        which holds what it has in flight and joins (one_step_off's first takes its first-token steps:
+        which joins with its requests in the engine (one_step_off's first takes its first-token steps:
         ``ModeSettings.first_tokens_before_sync``). The sync ends ``weight_sync_s`` after the trainer joined (the
         measured seconds include the usual wait for the workers), or when the last worker joined if that is
-        later; each worker then reloads and adds its held requests back for ``worker_sync_s``. Returns the
+        later; each worker then reloads for ``worker_sync_s`` (its requests holding KV prefill again). Returns the
         trainer's seconds."""
         start = self.clock
         self.weight_sync.joined = []
@@ -635,7 +635,7 @@ class DecoupledSim:
         # the measured sync seconds include the usual wait for the workers to join (their first-token steps): the
         # trainer waits longer only for a worker that joins later than that
         end = max(self.clock + self.profile.weight_sync_s, max(self.weight_sync.joined, default=self.clock))
-        for engine in self.engines:  # each waits for the broadcast, then reloads and adds its held requests back
+        for engine in self.engines:  # each waits for the broadcast, then reloads
             engine.wait_until(end)
             engine.clock += self.profile.worker_sync_s
         self.clock = end

@@ -341,7 +341,8 @@ def test_the_vllm_engine_and_the_simulated_one_implement_the_engine_protocol():
     from reflow.sim.profiles import TINY_CPU
 
     assert isinstance(SimEngine(TINY_CPU, 0), Engine)
-    methods = ("add", "step", "step_until_started", "hold_all", "resume", "load_weights", "sleep", "wake_up")
+    methods = ("add", "step", "step_until_started", "hold_all", "holding_kv", "resume", "load_weights", "sleep",
+               "wake_up")
     assert all(callable(getattr(RolloutEngine, name, None)) for name in methods)
     assert RolloutEngine.decode_steps == 1 and isinstance(RolloutEngine.num_active, property)
 

@@ -23,9 +23,19 @@ class RecordingLLM:
     def collective_rpc(self, name, kwargs):
         self.calls.append((name,))
 
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self, reset_running_requests=False):
         self.calls.append(("reset_prefix_cache",))
         return True
+
+
+class NothingInFlight:
+    """The engine's scheduler view with no request holding KV (a colocated engine asleep)."""
+
+    def kv_holders(self):
+        return set()
+
+    def excuse_reload(self, preempted):
+        assert preempted == 0
 
 
 @pytest.fixture
@@ -33,7 +43,7 @@ def engine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     engine = object.__new__(RolloutEngine)  # the sleep and reload logic, without building vLLM
     engine.llm, engine.active, engine.asleep, engine.weights_discarded, engine.version = RecordingLLM(), {}, set(), False, 0
-    engine.keeps_weight_backup = False
+    engine.keeps_weight_backup, engine.signal_reader = False, NothingInFlight()
     monkeypatch.setattr("reflow.rollout.engine.release_host_cache", lambda: engine.llm.calls.append(("release_host_cache",)))
     return engine
 

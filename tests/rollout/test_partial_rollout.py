@@ -15,5 +15,11 @@ def test_partial_rollout_continuity(tmp_path):
     assert rep["num_identical"] >= 2, rep  # same weights, near-greedy: resuming changes (almost) nothing
     assert rep["logprob_gap_mean"] < 1e-2, rep
     assert rep["versions_ok"] and rep["one_logprob_per_token"]
-    # C's prefix was generated after B's reload (version 1), its continuation after C's (version 2)
-    assert rep["versions_c"] == [1, 2]
+    # D: the reload in place preempted exactly the four requests holding KV, not the two queued
+    assert rep["holding_kv"] == [f"d{i}" for i in range(4)], rep
+    assert rep["prefix_kept_d"] and rep["versions_d_ok"], rep
+    assert rep["num_identical_d"] >= 2 and rep["logprob_gap_mean_d"] < 1e-2, rep
+    assert rep["num_queued_finished"] == 2 and rep["versions_queued"] == [2], rep
+    assert rep["reload_preemptions_counted"] == 0, rep
+    # C's prefix was generated after D's reload (version 2), its continuation after C's (version 3)
+    assert rep["versions_c"] == [2, 3]

@@ -6,8 +6,11 @@ B: the same requests are held after a few engine steps (hold_all), the weights a
 Resuming recomputes the prefix's KV cache by prefill instead of decode, so near-ties may flip: B must
 keep every held prefix exactly and match A closely (most outputs identical, log-probs within rounding
 where the tokens agree); each token keeps the version that produced it (0 before, 1 after), and
-there is one log-prob per token. Then C: a hold across a reload with *different* weights changes the
-continuation but keeps the prefix. Writes a JSON report to argv[1].
+there is one log-prob per token. D: a reload in place (a weight sync) under four requests holding KV and two
+queued: the four are preempted by the reload and prefill again, and must match A as closely as B does, each
+token labelled with its version; the queued two start under the new version; the reload's preemptions are not
+counted as KV pressure. Then C: a hold across a reload with *different* weights changes the continuation but
+keeps the prefix. Writes a JSON report to argv[1].
 """
 
 import json
@@ -52,6 +55,25 @@ while engine.num_active:
     for r in engine.step():
         b[r.request_id[1:]] = r
 
+# D: a reload in place (a weight sync): nothing taken out. The four requests holding KV are preempted by the
+# reload and prefill their prefix again; two queued ones (added after the last step, never scheduled) wait on
+for r in requests("d"):
+    engine.add(r)
+for _ in range(4):
+    engine.step()
+queued = [Request(f"q{i}", tok.encode(p), 40, seed=200 + i) for i, p in enumerate(prompts[:2])]
+for r in queued:
+    engine.add(r)
+holding = sorted(r.request_id for r in engine.holding_kv())
+prefix_d = {r.request_id[1:]: list(r.output_ids) for r in engine.active.values() if r.request_id.startswith("d")}
+preemptions_before = engine.signals.preemptions
+engine.load_weights(iter(weights), version=2)
+d, q = {}, {}
+while engine.num_active:
+    for r in engine.step():
+        (d if r.request_id.startswith("d") else q)[r.request_id[1:]] = r
+preemptions_after = engine.signals.preemptions
+
 # C: different weights after the hold
 for r in requests("c"):
     engine.add(r)
@@ -59,7 +81,7 @@ for _ in range(3):
     engine.step()
 held_c = engine.hold_all()
 prefix_c = {r.request_id: list(r.output_ids) for r in held_c}
-engine.load_weights(iter([(k, v * 0.5 if "lm_head" in k else v) for k, v in weights]), version=2)
+engine.load_weights(iter([(k, v * 0.5 if "lm_head" in k else v) for k, v in weights]), version=3)
 for r in held_c:
     engine.add(r)
 c = {}
@@ -87,9 +109,17 @@ report = {
     "prefix_lens": prefix_lens,
     "versions_ok": all(b[k].versions == [0] * prefix_lens[k] + [1] * (len(b[k].output_ids) - prefix_lens[k]) for k in b),
     "one_logprob_per_token": all(len(r.logprobs) == len(r.output_ids) == len(r.versions)
-                                 for r in list(b.values()) + list(c.values())),
+                                 for r in [*b.values(), *c.values(), *d.values(), *q.values()]),
     # log-probs along the stretch where the two runs chose the same tokens
     "logprob_gap_mean": _mean_gap(a, b),
+    "holding_kv": holding,
+    "num_identical_d": sum(a[k].output_ids == d[k].output_ids for k in a),
+    "logprob_gap_mean_d": _mean_gap(a, d),
+    "prefix_kept_d": all(d[k].output_ids[: len(v)] == v for k, v in prefix_d.items()),
+    "versions_d_ok": all(d[k].versions == [1] * 4 + [2] * (len(d[k].output_ids) - 4) for k in d),
+    "versions_queued": sorted({v for r in q.values() for v in r.versions}),
+    "num_queued_finished": len(q),
+    "reload_preemptions_counted": preemptions_after - preemptions_before,
     "prefix_kept_c": all(c[k].output_ids[: len(p)] == p for k, p in prefix_c.items()),
     "versions_c": sorted({v for r in c.values() for v in r.versions}),
 }
