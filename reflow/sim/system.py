@@ -20,10 +20,10 @@ Decoupled modes, one trainer step (``DecoupledSim.run``):
               slowest rank's tokens times a measured step-to-step ratio plus the profile's fixed costs, while
               every worker runs on to the end of it
   3. retire   first uses retire their samples
-  4. sync     every k steps: SyncWeights to every worker, which takes its first-token steps, holds what is in
-              flight and joins; the sync ends weight_sync_s after the trainer joined, or with the last worker
-              to join, and each worker's reload (worker_sync_s) holds its requests a little longer; they resume,
-              prefilling prompt and prefix again (a reload resets the prefix cache)
+  4. sync     every k steps: SyncWeights to every worker, which takes its first-token steps (one_step_off) and
+              joins; the sync ends weight_sync_s after the trainer joined, or with the last worker to join, and
+              each worker's reload (worker_sync_s) holds its requests a little longer; those holding KV then
+              prefill prompt and prefix again (a reload resets the prefix cache), queued ones wait on
   5. progress the leader's Progress (with scheduler.kv_admission its dispatcher deals the new room by the
               workers' reported KV loads)
   6. place    at sync points the placement controller (the planner) may move ranks: Transition to every
