@@ -297,9 +297,9 @@ class RolloutWorker:
 
     def _sync(self, version: int) -> None:
         with self.timeline.span("sync", version=version):
-            self._hold_load_resume(version)
+            self._reload_under_requests(version)
 
-    def _hold_load_resume(self, version: int) -> None:
+    def _reload_under_requests(self, version: int) -> None:
         """A weight sync: 1. one_step_off: step until every admitted request has its first token, 2. load version
         v under the requests in flight: those holding KV are preempted by the reload and prefill their prompt
         and prefix again under v (partial rollouts: each token keeps the version that sampled it), queued ones

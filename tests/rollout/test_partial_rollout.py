@@ -1,4 +1,5 @@
-"""A request held across a weight sync resumes from its prefix (tokens, log-probs, versions)."""
+"""A request held across a weight sync resumes from its prefix (tokens, log-probs, versions); one left in the
+engine across a reload in place (a weight sync) does the same, prefilled again where it held KV."""
 
 import json
 
