@@ -213,7 +213,10 @@ def trainer_terms(cfg, arch, num_params: int, shard_degree: int) -> list[Term]:
     trained_per_shard = trained_parameters(cfg, arch, num_params) / shard_degree
     root = arch.vocab_size * arch.dim * (1 if arch.tie_embeddings else 2) + arch.dim
     block = (num_params - root) / arch.n_layers
+    # one pass's padded tokens: micro_batch_size rows of the longest length, or the token budget's bound on them
     tokens = training.micro_batch_size * cfg.rollout.max_model_len
+    if training.micro_batch_tokens:
+        tokens = min(tokens, max(training.micro_batch_tokens, cfg.rollout.max_model_len))
     q, kv = arch.n_heads * arch.head_dim, arch.n_kv_heads * arch.head_dim
     per_token_layer = param * (3 * arch.dim + 3 * q + 3 * kv + 4 * arch.hidden_dim)
     if training.activation_checkpointing == "full":
@@ -233,7 +236,8 @@ def trainer_terms(cfg, arch, num_params: int, shard_degree: int) -> list[Term]:
         terms.append(Term("reference shards", int(4 * per_shard), "kl.coef"))
     terms += [
         Term("gathered parameters", int(2 * param * (root + 2 * block)), "training.param_dtype"),
-        Term("activations", int(activations), "training.micro_batch_size / training.activation_checkpointing"),
+        Term("activations", int(activations),
+             "training.micro_batch_size / training.micro_batch_tokens / training.activation_checkpointing"),
         Term("log-prob workspace", int(tokens * arch.dim * param + chunk * arch.vocab_size * (param + 20)),
              "training.logprob_chunk_tokens"),
     ]

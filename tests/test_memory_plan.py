@@ -76,6 +76,12 @@ def test_chunked_log_probs_and_checkpointing_shrink_their_terms():
     assert term(whole, "log-prob workspace") - term(chunked, "log-prob workspace") == (40960 - 1024) * 151936 * 22
     assert not whole.fits and "log-prob workspace" in whole.problems[0] and "training.logprob_chunk_tokens" in whole.problems[0]
     assert term(no_ac, "activations") == 40960 * 36 * 153_600
+    # a token budget bounds a pass's padded tokens: 16384 of them rather than 4 rows x 10240
+    _, budget = _plan("train_configs/qwen3_8b.toml", "--training.micro_batch_tokens=16384", world=8)
+    assert term(budget, "activations") * 40960 == term(chunked, "activations") * 16384
+    assert term(budget, "log-prob workspace") == 16384 * 4096 * 2 + 1024 * 151936 * 22
+    _, roomy = _plan("train_configs/qwen3_8b.toml", "--training.micro_batch_tokens=100000", world=8)
+    assert term(roomy, "activations") == term(chunked, "activations")  # never above micro_batch_size rows
     assert not no_ac.fits and "training.activation_checkpointing" in no_ac.problems[0]
 
 

@@ -136,7 +136,12 @@ class TrainingSection:
     num_minibatches: int = limited(1, ge=1)
     """Optimizer updates per pass (the batch is split into this many minibatches)."""
     micro_batch_size: int = limited(32, ge=1)
-    """Sequences per forward/backward on one rank (gradient accumulation inside a minibatch)."""
+    """Sequences per forward/backward on one rank (gradient accumulation inside a minibatch): at most this many."""
+    micro_batch_tokens: int = limited(0, ge=0)
+    """Padded tokens per forward/backward on one rank: rows are taken longest first, each micro-batch as many
+    (at most micro_batch_size) as fit rows x its longest row within this budget, so a long-tail straggler pads
+    a few rows rather than micro_batch_size of them (compute and activation memory follow the padded tokens).
+    0: micro_batch_size rows each. At least rollout.max_model_len (the longest row runs alone)."""
     logprob_chunk_tokens: int = limited(1024, ge=0)
     """Tokens whose log-probs are computed at once: the output projection and log-softmax run a chunk at a
     time (recomputed in the backward pass), so the peak is chunk x vocabulary, not micro-batch x sequence x

@@ -37,6 +37,12 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
             f"= {r.top_p} renormalizes vLLM's sampling distribution, which biases the importance weights; "
             "use 1.0 or set off_policy.correction = 'none'",
         )
+    if 0 < t.micro_batch_tokens < r.max_model_len:
+        fail(
+            "training.micro_batch_tokens",
+            f"= {t.micro_batch_tokens} is below rollout.max_model_len ({r.max_model_len}): a row that long would not "
+            "fit any micro-batch (set it to at least the longest row, or 0 for micro_batch_size rows each)",
+        )
     if cfg.kl.placement == "reward" and cfg.kl.coef == 0:
         fail("kl.placement", "= 'reward' needs kl.coef > 0")
     if cfg.reward.dynamic_sampling and t.mode == "one_step_off":

@@ -92,6 +92,28 @@ def pack(
     )
 
 
+def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+    """The rows of each forward/backward pass, from each row's token count: rows grouped by length, so a pass
+    pads its rows only to its own longest one.
+
+    ``max_tokens`` 0: ``max_rows`` rows a pass, shortest first. Otherwise the longest row left opens a pass and the
+    next longest join it while there are at most ``max_rows`` of them and rows x its length stays within
+    ``max_tokens`` (a row longer than that runs alone): a long-tail straggler pads a handful of rows instead of
+    ``max_rows``. Stable: rows of equal length keep their order."""
+    if max_rows < 1 or max_tokens < 0:
+        raise ValueError(f"max_rows must be >= 1 and max_tokens >= 0, got {max_rows} and {max_tokens}")
+    ascending = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    if max_tokens == 0:
+        return [ascending[i : i + max_rows] for i in range(0, len(ascending), max_rows)]
+    passes, left = [], ascending[::-1]
+    while left:
+        width = max(lengths[left[0]], 1)
+        take = max(1, min(max_rows, max_tokens // width, len(left)))
+        passes.append(sorted(left[:take], key=lambda i: (lengths[i], i)))
+        left = left[take:]
+    return passes
+
+
 def zero_batch(template: TrainBatch | None) -> TrainBatch:
     """A one-row batch that contributes nothing (zero weight and mask) but runs the FSDP collectives."""
     tokens = template.tokens[:1].clone() if template is not None and template.size else torch.zeros(1, 2, dtype=torch.long)

@@ -41,7 +41,7 @@ from reflow.distributed.buckets import broadcast_tensors
 from reflow.distributed.utils import TrainerLayout
 from reflow.model.qwen3 import build_model_config, build_on_meta, init_buffers
 from reflow.model.recipe import Recipe, resolve_path
-from reflow.trainer.batch import TrainBatch, index, zero_batch
+from reflow.trainer.batch import TrainBatch, index, plan_micro_batches, zero_batch
 from reflow.trainer.elastic import (
     adopt,
     carry_optimizer_state,
@@ -369,17 +369,16 @@ class PolicyTrainer:
                                       self.training.logprob_chunk_tokens, entropy)
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[torch.Tensor, TrainBatch]]:
-        """(row indices, micro-batch) pairs of one batch: rows grouped by length and each micro-batch cut to
-        its own longest row, so a long-tail straggler pads only its neighbours."""
-        size = self.training.micro_batch_size
+        """(row indices, micro-batch) pairs of one batch (``plan_micro_batches`` under training.micro_batch_size
+        and micro_batch_tokens), each micro-batch cut to its own longest row."""
         lengths = batch.loss_mask.shape[1] - batch.loss_mask.flip(-1).argmax(-1)  # last target column + 1
         lengths = torch.where(batch.loss_mask.sum(-1) > 0, lengths, torch.ones_like(lengths))
-        order = torch.argsort(lengths, stable=True)
+        tokens_per_row = (lengths + 1).tolist()  # targets kept; tokens need one more column
+        plan = plan_micro_batches(tokens_per_row, self.training.micro_batch_size, self.training.micro_batch_tokens)
         out = []
-        for i in range(0, batch.size, size):
-            rows = order[i : i + size]
-            width = int(lengths[rows].max().item())  # targets kept; tokens need one more column
-            out.append((rows, _trim(index(batch, rows), width)))
+        for members in plan:
+            rows = torch.tensor(members, dtype=torch.long)
+            out.append((rows, _trim(index(batch, rows), int(lengths[rows].max().item()))))
         return out
 
     def _padding(self, count: int, template: TrainBatch) -> list[TrainBatch]:

@@ -83,6 +83,15 @@ def test_sync_mode_needs_interval_one():
         validate(cfg, m.where)
 
 
+def test_a_micro_batch_token_budget_below_the_longest_row():
+    m = ConfigManager()
+    cfg = m.parse_args(["--training.micro_batch_tokens=100", "--rollout.max_model_len=256"])
+    with pytest.raises(ConfigError, match="'training.micro_batch_tokens' = 100 is below rollout.max_model_len"):
+        validate(cfg, m.where)
+    validate(m.parse_args(["--training.micro_batch_tokens=256", "--rollout.max_model_len=256"]), m.where)
+    validate(m.parse_args(["--training.micro_batch_tokens=0"]), m.where)  # off: micro_batch_size rows a pass
+
+
 def test_unknown_mode():
     m = ConfigManager()
     cfg = m.parse_args(["--training.mode=fast"])

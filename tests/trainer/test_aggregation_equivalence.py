@@ -17,7 +17,7 @@ def test_micro_batches_and_ranks_give_the_big_batch_gradient(tmp_path):
     out = tmp_path / "report.json"
     run_torchrun(2, ["tests/trainer/scripts/aggregation_equivalence.py", str(out)], timeout=400)  # a hang ends
     report = json.loads(out.read_text())
-    uneven = {case: report.pop(case) for case in ("uneven/one_minibatch", "uneven/two_minibatches")}
+    uneven = {case: report.pop(case) for case in ("uneven/one_minibatch", "uneven/two_minibatches", "uneven/token_budget")}
     assert set(report) == {
         "token_mean/ppo_clip", "seq_mean_token_mean/ppo_clip", "seq_mean_token_sum/ppo_clip", "token_sum_norm/ppo_clip",
         "seq_mean_token_mean/gspo", "token_sum_norm/cispo",
@@ -49,3 +49,6 @@ def test_micro_batches_and_ranks_give_the_big_batch_gradient(tmp_path):
         assert figures["grad_max_diff"] <= 1e-5 * figures["grad_max_abs"], case
         assert figures["dropped"][0] == figures["dropped"][1], case
     assert uneven["uneven/two_minibatches"]["updates"] == [2, 2]
+    # a token budget cut rank 0's rows into several passes (the long ones two a pass), rank 1's into one
+    passes = uneven["uneven/token_budget"]["passes"]
+    assert passes[0] >= 3 and passes[1] >= 1 and passes[0] != passes[1], passes

@@ -57,7 +57,7 @@ EXTRAS = {
 
 
 def run(aggregation: str, policy: str, split: bool, extras: dict | None = None, *, uneven: bool = False,
-        micro_batch_size: int | None = None, minibatches: int = 1) -> dict:
+        micro_batch_size: int | None = None, minibatches: int = 1, micro_batch_tokens: int = 0) -> dict:
     cfg = JobConfig()
     cfg.training.lr = 1e-3
     cfg.training.max_norm = 0.0  # the update sees the raw gradient
@@ -65,6 +65,7 @@ def run(aggregation: str, policy: str, split: bool, extras: dict | None = None, 
     cfg.off_policy.cap = 10.0
     cfg.training.micro_batch_size = micro_batch_size or (2 if split or uneven else ROWS)
     cfg.training.num_minibatches = minibatches
+    cfg.training.micro_batch_tokens = micro_batch_tokens
     for dotted, value in (extras or {}).items():
         section, key = dotted.split(".")
         setattr(getattr(cfg, section), key, value)
@@ -86,7 +87,8 @@ def run(aggregation: str, policy: str, split: bool, extras: dict | None = None, 
     trainer.optimizer.step = record_then_step
     stats = trainer.train_step(mine)
     return {"loss": stats.loss, "grad_norm": stats.grad_norm, "grad": grads[0], "grads": grads, "lr": stats.lr,
-            "dropped": stats.off_policy_dropped_frac, "entropy": stats.entropy, "kl": stats.kl_ref}
+            "dropped": stats.off_policy_dropped_frac, "entropy": stats.entropy, "kl": stats.kl_ref,
+            "passes": [len(trainer._micro_batches(mine))]}
 
 
 def max_diff(a: list, b: list) -> float:
@@ -130,6 +132,17 @@ report["uneven/two_minibatches"] = {
     "grad_max_abs": max(g.abs().max().item() for g in one["grads"]), "grad_max_diff": max_diff(one["grads"], many["grads"]),
     "updates": [len(one["grads"]), len(many["grads"])], "dropped": [one["dropped"], many["dropped"]],
 }
+# micro-batches cut by a token budget (training.micro_batch_tokens): rows of 5 to 14 tokens, at most 30 padded
+# tokens a pass, so rank 0's 6 rows take 3 passes and rank 1's 2 rows one; against one micro-batch a rank
+budget = run("token_mean", "ppo_clip", False, masked, uneven=True, micro_batch_size=ROWS, micro_batch_tokens=30)
+report["uneven/token_budget"] = {
+    "loss": [whole["loss"], budget["loss"]], "grad_norm": [whole["grad_norm"], budget["grad_norm"]],
+    "grad_max_abs": whole["grad"].abs().max().item(), "grad_max_diff": max_diff(whole["grads"], budget["grads"]),
+    "dropped": [whole["dropped"], budget["dropped"]], "passes": budget["passes"],
+}
+passes = [None] * world
+torch.distributed.all_gather_object(passes, budget["passes"][0])
+report["uneven/token_budget"]["passes"] = passes
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f, indent=1)
