@@ -36,7 +36,14 @@ of one seed back to back); each figure below is reported as the mean over seeds 
   learning_curve        that moving average every 10 s of training and every 10 steps (per seed)
 
 ``paired_eval_reward``: reflow against each other mode, the per-seed paired differences of the eval reward at
-equal time, their mean and the lower one-sided 95% t bound (``reflow.bench.paired``). ``targets`` checks the
+equal time, their mean and the lower one-sided 95% t bound (``reflow.bench.paired``). ``paired_throughput``: the
+per-seed ratios of the throughputs above and of
+
+  engine_steps_per_s    rollout engine steps / step time: the engines' speed, which the machine's drift moves
+  fresh_samples_per_engine_step  first-use samples / engine steps: the share of the engines' work that became
+                        fresh training data (the rule's, whatever the machine's speed)
+
+with their geometric mean and one-sided 95% bounds. ``targets`` checks the
 paper's claims (``targets``). ``--config`` picks the workload, for training and evaluation alike:
 ``train_configs/bench_modes.toml`` (balanced: trainer and rollout capacity about equal) or
 ``train_configs/bench_rollout_bound.toml`` (the paper's regime: generation bounded by KV memory).
@@ -54,7 +61,7 @@ import sys
 import time
 
 from reflow.bench.launch import cpu_env, free_port
-from reflow.bench.paired import paired_difference
+from reflow.bench.paired import paired_difference, paired_ratio
 from reflow.modes.ledger import filtered_uids
 
 MODES = ("sync", "one_step_off", "async", "reflow")
@@ -141,6 +148,7 @@ def summarize(rows: list[dict], warmup: int, equal_time_s: float, target: float)
         # first-use samples only: replayed tokens count in tokens_per_s (training throughput), not here
         "fresh_samples_per_s": sum(r["num_samples"] for r in post) / time_s if time_s else 0.0,
         "loss_tokens_per_s": sum(r["loss_tokens"] for r in post) / time_s if time_s else 0.0,
+        **engine_figures(post, time_s),
         "trainer_idle_ratio": mean([r["trainer_idle_ratio"] for r in post]),
         "trainer_wait_ratio": mean([r["trainer_wait_ratio"] for r in post]),
         "sync_stall_ratio": mean([r["sync_stall_ratio"] for r in post]),
@@ -154,6 +162,17 @@ def summarize(rows: list[dict], warmup: int, equal_time_s: float, target: float)
         "time_to_target_s": hit,
         "learning_curve": learning_curve(rows),
     }
+
+
+def engine_figures(rows: list[dict], time_s: float) -> dict:
+    """The rollout engines' steps per second, and first-use samples per engine step: how fast the engines ran
+    (the machine's speed, which drifts between back-to-back runs) apart from how much of their work became fresh
+    training data (the rule's share, which the machine's speed does not move). Empty where the rows carry no
+    engine window."""
+    steps = sum(r.get("rollout_engine_steps", 0) for r in rows)
+    if not steps or not time_s:
+        return {}
+    return {"engine_steps_per_s": steps / time_s, "fresh_samples_per_engine_step": sum(r["num_samples"] for r in rows) / steps}
 
 
 def learning_curve(rows: list[dict], every_s: float = 10.0, every_steps: int = 10) -> dict:
@@ -188,7 +207,8 @@ def staleness_distribution(rows: list[dict]) -> dict[str, float]:
 SUMMARY_KEYS = (
     "tokens_per_s", "loss_tokens_per_s", "fresh_samples_per_s", "eval_reward_at_equal_time", "evicted_fraction",
     "trainer_idle_ratio", "trainer_wait_ratio", "sync_stall_ratio", "rollout_idle_ratio", "masked_token_frac",
-    "replay_fraction", "steps", "received_response_len_mean", "trained_response_len_mean", "filtered_fraction",
+    "replay_fraction", "steps", "engine_steps_per_s", "fresh_samples_per_engine_step", "received_response_len_mean",
+    "trained_response_len_mean", "filtered_fraction",
 )
 """Per-seed results that ``aggregate`` reports as mean and spread."""
 
@@ -272,6 +292,34 @@ def paired_rewards(modes: dict) -> dict:
         if seeds:
             pair = paired_difference([mine[s] for s in seeds], [theirs[s] for s in seeds])
             out[f"reflow-{other}"] = {**pair, "seeds": seeds}
+    return out
+
+
+PAIRED_THROUGHPUTS = (
+    "tokens_per_s", "loss_tokens_per_s", "fresh_samples_per_s", "engine_steps_per_s", "fresh_samples_per_engine_step",
+)
+
+
+def paired_throughput(modes: dict) -> dict:
+    """reflow against each other mode: for each of ``PAIRED_THROUGHPUTS`` the per-seed ratios (same seed, run back
+    to back), their geometric mean and one-sided 95% bounds (``reflow.bench.paired.paired_ratio``). The targets
+    compare means over seeds; these say how far the machine's drift between runs leaves a ratio uncertain, and
+    ``fresh_samples_per_engine_step`` which part of a fresh-sample gap is the rule's."""
+    if "reflow" not in modes:
+        return {}
+    out: dict = {}
+    mine = {run["seed"]: run for run in modes["reflow"]["per_seed"]}
+    for other in modes:
+        if other == "reflow":
+            continue
+        theirs = {run["seed"]: run for run in modes[other]["per_seed"]}
+        pairs = {}
+        for key in PAIRED_THROUGHPUTS:
+            seeds = sorted(s for s in set(mine) & set(theirs) if mine[s].get(key) and theirs[s].get(key))
+            if seeds:
+                pairs[key] = paired_ratio([mine[s][key] for s in seeds], [theirs[s][key] for s in seeds])
+        if pairs:
+            out[f"reflow/{other}"] = pairs
     return out
 
 
@@ -418,7 +466,8 @@ def merge_results(paths: list[str]) -> dict:
         for key in ("config", "overrides", "world_size", "rollout_ranks", "time_budget_s", "eval_prompts"):
             if other.get(key) != first.get(key):
                 raise ValueError(f"{path} has {key} = {other.get(key)!r}, {paths[0]} has {first.get(key)!r}")
-    merged = {key: value for key, value in first.items() if key not in ("modes", "targets", "paired_eval_reward")}
+    merged = {key: value for key, value in first.items()
+              if key not in ("modes", "targets", "paired_eval_reward", "paired_throughput")}
     merged["merged_from"] = [{"path": path, "command": result["command"], "seeds": result.get("seed_list")}
                              for path, result in zip(paths, results)]
     merged["modes"] = {}
@@ -442,6 +491,7 @@ def finish(result: dict, out: str, rows_seed0: dict[str, list[dict]]) -> int:
     for mode in result["modes"].values():
         mode.update(aggregate(mode["per_seed"]))
     result["paired_eval_reward"] = paired_rewards(result["modes"])
+    result["paired_throughput"] = paired_throughput(result["modes"])
     result["targets"] = targets(result["modes"], result["paired_eval_reward"])
     others = [m for m in result["modes"] if m != "reflow"]
     if "reflow" in result["modes"] and others:
@@ -524,6 +574,11 @@ def format_table(result: dict) -> str:
         diffs = " ".join(f"{d:+.3f}" for d in pair["differences"])
         bound = f"{pair['lower_95']:+.3f}" if pair["lower_95"] is not None else "n/a (one seed)"
         lines.append(f"paired eval reward {name}: per seed {diffs}; mean {pair['mean']:+.3f}, lower 95% bound {bound}")
+    for name, pairs in result.get("paired_throughput", {}).items():
+        for key, pair in pairs.items():
+            if pair["lower_95"] is not None:
+                lines.append(f"paired {key} {name}: geometric mean {pair['geometric_mean']:.3f}, one-sided 95% bounds "
+                             f"[{pair['lower_95']:.3f}, {pair['upper_95']:.3f}] over {pair['seeds']} seeds")
     for name, target in result.get("targets", {}).items():
         lines.append(f"target {name}: {json.dumps(target)}")
     return "\n".join(lines)

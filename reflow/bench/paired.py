@@ -38,3 +38,16 @@ def paired_difference(a: list[float], b: list[float]) -> dict:
     std = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
     return {"differences": diffs, "mean": mean, "std": std, "lower_95": mean - t_quantile_95(n - 1) * std / math.sqrt(n),
             "seeds": n}
+
+
+def paired_ratio(a: list[float], b: list[float]) -> dict:
+    """Per-seed ratios a_i / b_i of positive figures (throughputs), their geometric mean and the one-sided 95%
+    bounds on it, lower and upper (None with a single seed): ``paired_difference`` on the logarithms. Seeds run
+    back to back see the same machine, so the ratio cancels what the machine's speed does to both."""
+    if len(a) != len(b) or not a or min(a + b) <= 0:
+        raise ValueError(f"paired ratios need positive values and the same non-zero number of seeds, got {a} and {b}")
+    logs = paired_difference([math.log(x) for x in a], [math.log(y) for y in b])
+    lower = math.exp(logs["lower_95"]) if logs["lower_95"] is not None else None
+    upper = 2 * logs["mean"] - logs["lower_95"] if logs["lower_95"] is not None else None
+    return {"ratios": [x / y for x, y in zip(a, b)], "geometric_mean": math.exp(logs["mean"]), "lower_95": lower,
+            "upper_95": math.exp(upper) if upper is not None else None, "seeds": len(a)}

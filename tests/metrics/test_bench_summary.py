@@ -65,6 +65,43 @@ def test_paired_difference_gives_the_one_sided_t_bound():
     assert t_quantile_95(22) == 1.725  # between table entries: the next smaller df (a wider bound)
 
 
+def test_paired_ratio_bounds_the_geometric_mean_of_per_seed_ratios():
+    import math
+
+    from reflow.bench.paired import paired_ratio
+
+    pair = paired_ratio([2.0, 3.3, 1.5], [2.0, 3.0, 1.0])
+    assert [round(r, 12) for r in pair["ratios"]] == [1.0, 1.1, 1.5]
+    logs = [0.0, math.log(1.1), math.log(1.5)]
+    mean = sum(logs) / 3
+    half = 2.920 * (sum((x - mean) ** 2 for x in logs) / 2) ** 0.5 / 3**0.5
+    assert abs(pair["geometric_mean"] - math.exp(mean)) < 1e-12
+    assert abs(pair["lower_95"] - math.exp(mean - half)) < 1e-12 and abs(pair["upper_95"] - math.exp(mean + half)) < 1e-12
+    assert paired_ratio([2.0], [1.0])["lower_95"] is None
+    with pytest.raises(ValueError, match="positive"):
+        paired_ratio([1.0, 0.0], [1.0, 1.0])
+
+
+def test_engine_figures_separate_the_machine_speed_from_the_rule():
+    from reflow.bench.modes import engine_figures, paired_throughput
+
+    rows = [{"rollout_engine_steps": 100, "num_samples": 40}, {"rollout_engine_steps": 300, "num_samples": 60}]
+    assert engine_figures(rows, 4.0) == {"engine_steps_per_s": 100.0, "fresh_samples_per_engine_step": 0.25}
+    assert engine_figures([{"num_samples": 4}], 1.0) == {}  # no engine window in the rows
+    # seed 1's machine ran slower for reflow: its fresh rate falls with its engine steps, not its share of them
+    runs = lambda fresh, steps: [  # noqa: E731
+        {"seed": s, "fresh_samples_per_s": f, "engine_steps_per_s": e, "fresh_samples_per_engine_step": f / e}
+        for s, (f, e) in enumerate(zip(fresh, steps))
+    ]
+    modes = {"async": {"per_seed": runs([80, 80, 80], [200, 200, 200])},
+             "reflow": {"per_seed": runs([84, 60, 80], [210, 150, 200])}}
+    pairs = paired_throughput(modes)["reflow/async"]
+    assert set(pairs) == {"fresh_samples_per_s", "engine_steps_per_s", "fresh_samples_per_engine_step"}
+    assert [round(r, 12) for r in pairs["fresh_samples_per_engine_step"]["ratios"]] == [1.0, 1.0, 1.0]
+    assert pairs["fresh_samples_per_s"]["ratios"] == pytest.approx([1.05, 0.75, 1.0])
+    assert pairs["fresh_samples_per_s"]["lower_95"] < 0.95 < pairs["fresh_samples_per_s"]["upper_95"]
+
+
 def test_targets_read_the_paired_bound_and_every_claim():
     from reflow.bench.modes import paired_rewards, targets
 
