@@ -100,6 +100,14 @@ def test_engine_figures_separate_the_machine_speed_from_the_rule():
     assert [round(r, 12) for r in pairs["fresh_samples_per_engine_step"]["ratios"]] == [1.0, 1.0, 1.0]
     assert pairs["fresh_samples_per_s"]["ratios"] == pytest.approx([1.05, 0.75, 1.0])
     assert pairs["fresh_samples_per_s"]["lower_95"] < 0.95 < pairs["fresh_samples_per_s"]["upper_95"]
+    # the target line carries the paired ratio beside the ratio of the means
+    from reflow.bench.modes import targets
+
+    for mode, fresh in (("async", 80.0), ("reflow", 74.67)):
+        modes[mode].update({"fresh_samples_per_s": fresh, "tokens_per_s": 1.0, "loss_tokens_per_s": 1.0,
+                            "rollout_idle_ratio": 0.0, "evicted_fraction": 0.0})
+    line = targets(modes, {}, paired_throughput(modes))["fresh_samples_per_s_vs_async"]
+    assert not line["met"] and line["paired"]["geometric_mean"] == pytest.approx(pairs["fresh_samples_per_s"]["geometric_mean"])
 
 
 def test_targets_read_the_paired_bound_and_every_claim():
