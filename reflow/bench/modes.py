@@ -276,23 +276,26 @@ def aggregate(per_seed: list[dict]) -> dict:
     return out
 
 
+def _reflow_paired(modes: dict, key: str):
+    """(other mode, seeds, reflow's values, the other's values) of ``key`` on every seed both ran with a value."""
+    if "reflow" not in modes:
+        return
+    mine = {run["seed"]: run.get(key) for run in modes["reflow"]["per_seed"]}
+    for other in modes:
+        if other == "reflow":
+            continue
+        theirs = {run["seed"]: run.get(key) for run in modes[other]["per_seed"]}
+        seeds = sorted(s for s in set(mine) & set(theirs) if mine[s] is not None and theirs[s] is not None)
+        if seeds:
+            yield other, seeds, [mine[s] for s in seeds], [theirs[s] for s in seeds]
+
+
 def paired_rewards(modes: dict) -> dict:
     """reflow against each other mode: the per-seed paired differences of the eval reward at equal time (same
     seed, same eval prompts and sampling seeds) over the seeds both ran, their mean and lower one-sided 95% t
     bound, and those seeds."""
-    if "reflow" not in modes:
-        return {}
-    mine = {run["seed"]: run["eval_reward_at_equal_time"] for run in modes["reflow"]["per_seed"]}
-    out = {}
-    for other in modes:
-        if other == "reflow":
-            continue
-        theirs = {run["seed"]: run["eval_reward_at_equal_time"] for run in modes[other]["per_seed"]}
-        seeds = sorted(set(mine) & set(theirs))
-        if seeds:
-            pair = paired_difference([mine[s] for s in seeds], [theirs[s] for s in seeds])
-            out[f"reflow-{other}"] = {**pair, "seeds": seeds}
-    return out
+    return {f"reflow-{other}": {**paired_difference(mine, theirs), "seeds": seeds}
+            for other, seeds, mine, theirs in _reflow_paired(modes, "eval_reward_at_equal_time")}
 
 
 PAIRED_THROUGHPUTS = (
@@ -305,21 +308,12 @@ def paired_throughput(modes: dict) -> dict:
     to back), their geometric mean and one-sided 95% bounds (``reflow.bench.paired.paired_ratio``). The targets
     compare means over seeds; these say how far the machine's drift between runs leaves a ratio uncertain, and
     ``fresh_samples_per_engine_step`` which part of a fresh-sample gap is the rule's."""
-    if "reflow" not in modes:
-        return {}
     out: dict = {}
-    mine = {run["seed"]: run for run in modes["reflow"]["per_seed"]}
-    for other in modes:
-        if other == "reflow":
-            continue
-        theirs = {run["seed"]: run for run in modes[other]["per_seed"]}
-        pairs = {}
-        for key in PAIRED_THROUGHPUTS:
-            seeds = sorted(s for s in set(mine) & set(theirs) if mine[s].get(key) and theirs[s].get(key))
-            if seeds:
-                pairs[key] = paired_ratio([mine[s][key] for s in seeds], [theirs[s][key] for s in seeds])
-        if pairs:
-            out[f"reflow/{other}"] = pairs
+    for key in PAIRED_THROUGHPUTS:
+        for other, _, mine, theirs in _reflow_paired(modes, key):
+            kept = [(a, b) for a, b in zip(mine, theirs) if a and b]  # a zero: not measured (no engine window)
+            if kept:
+                out.setdefault(f"reflow/{other}", {})[key] = paired_ratio(*map(list, zip(*kept)))
     return out
 
 

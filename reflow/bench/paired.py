@@ -47,7 +47,7 @@ def paired_ratio(a: list[float], b: list[float]) -> dict:
     if len(a) != len(b) or not a or min(a + b) <= 0:
         raise ValueError(f"paired ratios need positive values and the same non-zero number of seeds, got {a} and {b}")
     logs = paired_difference([math.log(x) for x in a], [math.log(y) for y in b])
-    lower = math.exp(logs["lower_95"]) if logs["lower_95"] is not None else None
-    upper = 2 * logs["mean"] - logs["lower_95"] if logs["lower_95"] is not None else None
-    return {"ratios": [x / y for x, y in zip(a, b)], "geometric_mean": math.exp(logs["mean"]), "lower_95": lower,
-            "upper_95": math.exp(upper) if upper is not None else None, "seeds": len(a)}
+    mean, lower = logs["mean"], logs["lower_95"]
+    bounds = (math.exp(lower), math.exp(2 * mean - lower)) if lower is not None else (None, None)
+    return {"ratios": [x / y for x, y in zip(a, b)], "geometric_mean": math.exp(mean), "lower_95": bounds[0],
+            "upper_95": bounds[1], "seeds": len(a)}

@@ -88,7 +88,7 @@ def run(aggregation: str, policy: str, split: bool, extras: dict | None = None, 
     stats = trainer.train_step(mine)
     return {"loss": stats.loss, "grad_norm": stats.grad_norm, "grad": grads[0], "grads": grads, "lr": stats.lr,
             "dropped": stats.off_policy_dropped_frac, "entropy": stats.entropy, "kl": stats.kl_ref,
-            "passes": [len(trainer._micro_batches(mine))]}
+            "passes": len(trainer._micro_batches(mine))}
 
 
 def max_diff(a: list, b: list) -> float:
@@ -138,11 +138,9 @@ budget = run("token_mean", "ppo_clip", False, masked, uneven=True, micro_batch_s
 report["uneven/token_budget"] = {
     "loss": [whole["loss"], budget["loss"]], "grad_norm": [whole["grad_norm"], budget["grad_norm"]],
     "grad_max_abs": whole["grad"].abs().max().item(), "grad_max_diff": max_diff(whole["grads"], budget["grads"]),
-    "dropped": [whole["dropped"], budget["dropped"]], "passes": budget["passes"],
+    "dropped": [whole["dropped"], budget["dropped"]], "passes": [None] * world,
 }
-passes = [None] * world
-torch.distributed.all_gather_object(passes, budget["passes"][0])
-report["uneven/token_budget"]["passes"] = passes
+torch.distributed.all_gather_object(report["uneven/token_budget"]["passes"], budget["passes"])
 if rank == 0:
     with open(sys.argv[1], "w") as f:
         json.dump(report, f, indent=1)
