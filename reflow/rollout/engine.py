@@ -349,13 +349,13 @@ class RolloutEngine:
             self.weights_discarded = False
             self._release_weight_backup()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
-        preempted = len(self.holding_kv())
+        preemptions_before = self.signal_reader.held_preemptions()
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError(
                 f"vLLM could not reset its prefix cache after loading version {version} (blocks still in use with "
                 f"{len(self.active)} requests in flight); decoding would read KV of the old weights"
             )
-        self.signal_reader.excuse_reload(preempted)
+        self.signal_reader.excuse_reload(self.signal_reader.held_preemptions() - preemptions_before)
         self.version = version
         return time.time() - t0
 

@@ -71,9 +71,15 @@ class EngineSignalReader:
         internal = [request.request_id for request in (*self.scheduler.running, *self.scheduler.kv_holding_waiting)]
         return {*internal, *(request_id.rsplit("-", 1)[0] for request_id in internal)}
 
+    def held_preemptions(self) -> int:
+        """Preemptions of the requests the scheduler holds now (before and after a reload, which keeps them)."""
+        return sum(request.num_preemptions for request in self.scheduler.requests.values())
+
     def excuse_reload(self, preempted: int) -> None:
         """A weight reload preempted ``preempted`` requests on purpose (their KV was the old weights'): not
-        counted as the KV-pressure preemptions the concurrency controller reacts to."""
+        counted as the KV-pressure preemptions the concurrency controller reacts to. The count must be what the
+        reload did (``held_preemptions`` after less before): the reset preempts the running requests only, not
+        the waiting ones that keep blocks, so counting every KV holder would drive the total below zero."""
         self._by_reloads += preempted
 
     def read(self) -> EngineSignals:
