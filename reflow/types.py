@@ -245,6 +245,27 @@ class Transition:
     replicas: int
 
 
+@dataclass
+class ResizeReport:
+    """What one rank did in a placement change's trainer resize (``PolicyTrainer.resize``; the simulator's
+    ``SimTrainer.resize``): ``transition_event`` sums it over the ranks."""
+
+    source: str
+    """The trainer layout before ("T2x2")."""
+    target: str
+    direction: str = "none"
+    """'trainer->rollout' (replicas leave), 'rollout->trainer' (replicas join) or 'none'."""
+    bytes_moved: int = 0
+    """Received as a joining rank: shards, AdamW step counters and the update counter."""
+    bytes_freed: int = 0
+    """Freed as a leaving rank."""
+    broadcasts: int = 0
+    tensors: int = 0
+    """Tensors in the transfer (when replicas joined)."""
+    copied_not_aliased: list[str] = field(default_factory=list)
+    """Shards FSDP had to copy rather than adopt (a dim 0 that does not divide by the shard degree)."""
+
+
 @dataclass(frozen=True)
 class Stop:
     """Training is over: drop in-flight requests, send END on the data plane, exit."""

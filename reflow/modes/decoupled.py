@@ -44,7 +44,7 @@ from reflow.modes.replay_metrics import replay_cycle_metrics
 from reflow.modes.resume import replay_checkpoint, restore_replay_state
 from reflow.modes.trainer_role import Poll
 from reflow.modes.trainer_shard import TrainerShard
-from reflow.modes.transition import ChangePlan, RankState, TrainerClock, change_placement
+from reflow.modes.transition import ChangePlan, RankState, TrainerClock, change_placement, take_up_shard
 from reflow.rollout.tensor_parallel import engine_mirror, follow
 from reflow.scheduler import build_controller
 from reflow.types import HeldGroup, Stop, Transition
@@ -99,11 +99,10 @@ class DecoupledMode(ModeBase):
         if self.leader is not None:
             self.leader.enter(self.rollout_workers, self._new_dispatcher())
         if self.is_trainer:
-            if self.shard is None:
-                self.shard = live_shard(parts, self.settings, placement, self.ledger, self.version)
-            else:
-                self.shard.rejoin(self.trainer_ranks.index(self.rank), batch_per_shard(cfg, placement),
-                                  len(self.rollout_workers))
+            self.shard = take_up_shard(
+                self.shard, placement, self.rank, batch_per_shard(cfg, placement),
+                lambda: live_shard(parts, self.settings, placement, self.ledger, self.version),
+            )
             self.role = live_trainer_role(parts, self.settings, placement, self.shard, self.weight_sync, self.leader,
                                           self.planes.control, self.planes.outbox, self.first_use_advantages)
         self.router.shard = self.shard

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from reflow.distributed.placement import Placement, build_placement
 from reflow.modes.trainer_shard import TrainerShard
@@ -63,6 +63,17 @@ class ChangePlan:
         stays = [new.index(rank) if rank in new else None for rank in old]
         dealt = deal_groups([[len(group.held) for group in groups] for groups in held], stays, len(new))
         return [[held[worker][k] for worker, k in mine] for mine in dealt]
+
+
+def take_up_shard(shard: TrainerShard | None, placement: Placement, rank: int, batch_per_shard: int,
+                  new_shard: Callable[[], TrainerShard]) -> TrainerShard:
+    """A trainer rank's shard in ``placement``: the one it kept through a change, at its index in the new trainer
+    group and with budgets that start afresh (no sample it holds counts against the new ones), or ``new_shard()``
+    where it had none (at start-up, or having joined the trainer)."""
+    if shard is None:
+        return new_shard()
+    shard.rejoin(placement.trainer_ranks.index(rank), batch_per_shard, len(placement.rollout_workers))
+    return shard
 
 
 @dataclass

@@ -78,6 +78,8 @@ class SimEngine:
         self.until = float("inf")
         """No macro-step runs past this time (the simulator sets it while the trainer trains)."""
         self.version = 0
+        self.asleep = False
+        """Put to sleep by a rank that joins the trainer; a weight load wakes it (``RolloutEngine``'s rule)."""
         self.running: list[SimTrajectory] = []
         self.waiting: list[SimTrajectory] = []
         self.in_tool: list[SimTrajectory] = []
@@ -133,6 +135,8 @@ class SimEngine:
     def add(self, req: Request) -> None:
         """Queue a request; one with output already (a held partial rollout) prefills its prompt and prefix
         again, and one whose tool has not answered yet waits for it first."""
+        if self.asleep:
+            raise RuntimeError(f"simulated engine {self.index} got request {req.request_id} while asleep")
         seq = trajectory(req)
         if not isinstance(req.output_ids, Runs):  # (simulated tokens are kept as runs: reflow.sim.runs)
             req.output_ids, req.versions = Runs(req.output_ids), Runs(req.versions)
@@ -191,13 +195,20 @@ class SimEngine:
         self.waiting[:0] = self.running
         self.running = []
         self.version = version
+        self.asleep = False
         return 0.0
 
     def sleep(self) -> None:
-        pass
+        """Free the engine's memory for the trainer (``change_placement``, a rank joining it): its worker held
+        everything in flight before, so a request still here would be lost."""
+        if self.active:
+            raise RuntimeError(
+                f"simulated engine {self.index} put to sleep with {len(self.active)} requests in flight"
+            )
+        self.asleep = True
 
     def wake_up(self) -> None:
-        pass
+        self.asleep = False
 
     # ---- the simulated clock -------------------------------------------------------------
 

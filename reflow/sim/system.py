@@ -27,9 +27,10 @@ Decoupled modes, one trainer step (``DecoupledSim.run``):
   5. progress the leader's Progress (with scheduler.kv_admission its dispatcher deals the new room by the
               workers' reported KV loads)
   6. place    at sync points the placement controller (the planner) may move ranks: Transition to every
-              worker, which holds its partial rollouts; the change costs the profile's seconds, leaving shards
-              hand their samples to staying ones, the held groups are dealt to the new workers
-              (``deal_groups``, as ``change_placement``) and budgets restart at this step
+              worker, which holds its partial rollouts; the change costs the profile's seconds, and every rank
+              runs the live ``change_placement`` (leaving shards hand their samples to staying ones, the held
+              groups are dealt to the new workers) over in-process links, then takes up its roles as
+              ``DecoupledMode.enter`` does (``take_up_shard``; budgets restart at this step)
 
 ``sync`` mode: every GPU generates its share of the batch to completion, then every GPU trains, then syncs.
 
@@ -56,7 +57,7 @@ from reflow.modes.ledger import filtered_uids, new_ledger
 from reflow.modes.rollout_worker import RolloutWorker
 from reflow.modes.trainer_role import Poll, TrainerRole
 from reflow.modes.trainer_shard import TrainerShard, new_shard
-from reflow.modes.transition import ChangePlan
+from reflow.modes.transition import ChangePlan, RankState, TrainerClock, change_placement, take_up_shard
 from reflow.replay import build_filter, build_sampler
 from reflow.replay.buffer import BatchPlan
 from reflow.rollout.admission import AdmissionGate
@@ -70,8 +71,10 @@ from reflow.types import (
     Command,
     EvalShare,
     GroupDone,
+    Handover,
     HeldGroup,
     InProcessExchange,
+    ResizeReport,
     Sample,
     SyncWeights,
     Transition,
@@ -364,6 +367,13 @@ class SimTrainer:
     def __init__(self, sim: "DecoupledSim"):
         self.sim = sim
 
+    def resize(self, replicas: int, *, bucket_bytes: int | None) -> ResizeReport:
+        """``PolicyTrainer.resize`` on one rank: the direction of the change (its time is the profile's
+        ``transition_s``, charged once for the whole change; no bytes are simulated)."""
+        old = self.sim.layout.replicate_degree
+        direction = "none" if replicas == old else ("trainer->rollout" if replicas < old else "rollout->trainer")
+        return ResizeReport(source=f"T{old}", target=f"T{replicas}", direction=direction)
+
     def train(self, plans: list[BatchPlan], version: int) -> dict:
         sim, profile = self.sim, self.sim.profile
         rank_tokens = [sum(len(s.prompt_ids) + len(s.output_ids) for s in plan.fresh + plan.replayed) for plan in plans]
@@ -382,6 +392,40 @@ class SimPublisher:
     def publish(self, version: int) -> None:
         self.sim.version = version  # (what the workers deliver during the sync is checked against it)
         self.sim.sync_s = self.sim._sync()
+
+
+class SimPlacementLinks:
+    """The in-process ``PlacementLinks`` of ``DecoupledSim._change_every_rank``, which calls ``change_placement``
+    for one rank after another (``rank``): samples travel instantly, so every FLUSH finds nothing behind it and
+    must precede every drain; a handover waits in ``handovers`` until the new placement's shards exist; every
+    rank's clock is the one simulated clock, and every rank's all-gather value is known before the first call
+    (``offered``: a rank that offers anything else is a fault)."""
+
+    def __init__(self, clock: TrainerClock, offered: list):
+        self.clock, self.offered = clock, offered
+        self.rank = 0
+        self.flushed: set[int] = set()
+        self.handovers: list[tuple[int, Handover]] = []
+
+    def flush(self, trainer_ranks: list[int]) -> None:
+        self.flushed.add(self.rank)
+
+    def drain(self, rollout_workers: list[int]) -> None:
+        missing = sorted(set(rollout_workers) - self.flushed)
+        if missing:
+            raise RuntimeError(f"simulated rank {self.rank} drained before rollout workers {missing} flushed")
+
+    def hand_over(self, heir_rank: int, handover: Handover) -> None:
+        self.handovers.append((heir_rank, handover))
+
+    def broadcast(self, values: list[int]) -> list[int]:
+        clock = self.clock
+        return [clock.step, clock.version, clock.steps_done, clock.drawn]
+
+    def all_gather(self, value) -> list:
+        if value != self.offered[self.rank]:
+            raise RuntimeError(f"simulated rank {self.rank} offered {value!r}, not {self.offered[self.rank]!r}")
+        return self.offered
 
 
 class DecoupledSim:
@@ -423,6 +467,7 @@ class DecoupledSim:
         self.sync_s = 0.0  # the latest weight sync's trainer seconds (``SimPublisher``)
         self.engines_ever: list[SimEngine] = []  # every engine the run built (for its preemption count)
         self.layout: Placement | None = None
+        self.rollout_ranks: list[int] = []  # the ranks that generate, by worker index (``engines`` in order)
         self._enter(build_placement(cfg.gpus, cfg.replicas, cfg.shard_degree, cfg.gpus - cfg.replicas * cfg.shard_degree))
 
     # ---- placement ---------------------------------------------------------------------
@@ -438,39 +483,35 @@ class DecoupledSim:
             dynamic_sampling=self.cfg.dynamic_sampling,
         )
 
-    def _enter(self, layout: Placement, change: ChangePlan | None = None, held: list[list[HeldGroup]] | None = None) -> None:
-        """The roles of a placement, as ``DecoupledMode.enter`` and ``change_placement`` take them up, by the live
-        ``ChangePlan`` where a change led here: staying shards keep their samples, a leaving shard hands its
-        buffer to its heir, every budget starts at this step, the held groups are dealt to the new workers, and
-        the leader deals (or tells) the new rollout workers."""
-        cfg = self.cfg
+    def _enter(self, layout: Placement, kept: dict[int, TrainerShard] | None = None,
+               carried: list[list[HeldGroup]] | None = None, handovers: list[tuple[int, Handover]] = ()) -> None:
+        """Every rank's roles in a placement, as ``DecoupledMode.enter`` takes them up: each trainer rank's shard
+        (``take_up_shard``: the one it ``kept`` through a change, or a new one), every budget starting at this
+        step; then the buffers handed over arrive (the live data plane delivers them after the change), each
+        rollout rank's worker resumes its ``carried`` groups, and the leader deals (or tells) the new workers."""
+        cfg, kept = self.cfg, kept or {}
         self.layout = layout
         self.replicas = layout.replicate_degree
-        num_shards = layout.num_trainer_ranks
-        num_rollout = layout.num_rollout_ranks
+        num_shards, num_rollout = layout.num_trainer_ranks, layout.num_rollout_ranks
         batch_per_shard = cfg.batch // num_shards
-        leaving = self.shards[num_shards:]
-        self.shards = self.shards[:num_shards]
-        for shard in self.shards:
-            shard.rejoin(shard.index, batch_per_shard, num_rollout)
-        self.shards += [self._new_shard(k, num_rollout, batch_per_shard) for k in range(len(self.shards), num_shards)]
-        for shard in leaving:
-            samples, draws = shard.hand_over()
-            self.shards[change.heir(shard.index)].accept_handover(samples, draws)
-        # the rollout ranks that stay are the last ones (the trainer grows from rank 0 up)
-        old = self.engines
-        kept = old[len(old) - num_rollout:] if num_rollout <= len(old) else old
-        fresh = [
-            SimEngine(self.profile, len(self.engines_ever) + i, cfg.macro_steps, cfg.macro_s)
-            for i in range(num_rollout - len(kept))
+        self.shards = [
+            take_up_shard(kept.get(rank), layout, rank, batch_per_shard,
+                          lambda k=k: self._new_shard(k, num_rollout, batch_per_shard))
+            for k, rank in enumerate(layout.trainer_ranks)
         ]
-        self.engines_ever.extend(fresh)
-        for engine in fresh:
-            engine.clock = self.clock
-            engine.version = self.version
-        self.engines = fresh + kept
-        # the partial rollouts: a staying worker keeps its own, a leaving one's are dealt
-        carried = change.deal(held) if change is not None else [[] for _ in range(num_rollout)]
+        for heir_rank, handover in handovers:
+            self.shards[layout.trainer_ranks.index(heir_rank)].accept_handover(handover.samples, handover.draws)
+        # a rank that generates keeps its engine; one that joins the rollout gets a new engine, awake now
+        engines = {rank: engine for rank, engine in zip(self.rollout_ranks, self.engines)}
+        self.rollout_ranks = list(layout.rollout_workers)
+        self.engines = []
+        for rank in self.rollout_ranks:
+            if rank not in engines:
+                engines[rank] = SimEngine(self.profile, len(self.engines_ever), cfg.macro_steps, cfg.macro_s)
+                engines[rank].clock, engines[rank].version = self.clock, self.version
+                self.engines_ever.append(engines[rank])
+            self.engines.append(engines[rank])
+        carried = carried or [[] for _ in range(num_rollout)]
         dealt_dispatch = cfg.kv_admission  # the global dispatcher deals the room, as in the live system
         self.workers = [
             self._new_worker(index, engine, num_rollout, num_shards, carried[index], dealt_dispatch)
@@ -510,9 +551,10 @@ class DecoupledSim:
         return lambda: engine.clock
 
     def _transition(self, replicas: int) -> None:
-        """As ``change_placement``: Transition to every worker, which holds what it has in flight (partial
-        rollouts, which count against no budget afterwards); the change costs the mechanism (the profile's
-        transition seconds), and the new placement's workers resume the held groups first."""
+        """A placement change: Transition to every worker, which holds what it has in flight (partial rollouts,
+        which count against no budget afterwards); then every rank runs the live ``change_placement`` over the
+        in-process ``SimPlacementLinks``, the change costing the mechanism (the profile's transition seconds), and
+        takes up its roles in the new placement, whose workers resume the held groups first."""
         start = self.clock
         held = []
         for index, worker in enumerate(self.workers):
@@ -524,14 +566,42 @@ class DecoupledSim:
         self.clock = max([self.clock] + [engine.clock for engine in self.engines]) + self.profile.transition_s
         for engine in self.engines:
             engine.wait_until(self.clock)
-        change = ChangePlan.to(self.layout, replicas)
-        self._enter(change.new, change, held)
+        plan = ChangePlan.to(self.layout, replicas)
+        kept, carried, handovers = self._change_every_rank(plan, held)
+        self._enter(plan.new, kept, carried, handovers)
         event = {
-            "after_step": self.steps_done, "transition": f"{change.old.name} -> {change.new.name}",
+            "after_step": self.steps_done, "transition": f"{plan.old.name} -> {plan.new.name}",
             "transition_s": self.clock - start,
         }
         self.transitions.append(event)
         self.leader.placement_rows.append(event)
+
+    def _change_every_rank(self, plan: ChangePlan, held: list[list[HeldGroup]]):
+        """``change_placement`` on every rank, rollout workers first (their FLUSH precedes every drain): returns
+        the shards the new trainer ranks kept (by rank), the held groups dealt to the new workers (by index) and
+        the buffers handed over, in the order sent."""
+        old, new = plan.old, plan.new
+        clock = TrainerClock(self.steps_done, self.version, self.steps_done, self.draws)
+        # what every rank gives the all-gather (each worker's prompt share: none, the workers draw from one stream)
+        offered = [(None, held[old.rollout_workers.index(rank)]) if rank in old.rollout_workers else None
+                   for rank in range(old.world_size)]
+        links = SimPlacementLinks(clock, offered)
+        trainer = SimTrainer(self)
+        kept: dict[int, TrainerShard] = {}
+        carried: list[list[HeldGroup]] = [[] for _ in new.rollout_workers]
+        ranks = list(old.rollout_workers) + [r for r in range(old.world_size) if r not in old.rollout_workers]
+        for rank in ranks:
+            links.rank = rank
+            shard = self.shards[old.trainer_ranks.index(rank)] if old.is_trainer(rank) else None
+            engine = self.engines[old.rollout_workers.index(rank)] if rank in old.rollout_workers else None
+            before = RankState(clock, shard, [None] * len(old.rollout_workers), held[old.rollout_workers.index(rank)]
+                               if rank in old.rollout_workers else [])
+            after, _ = change_placement(plan, rank, before, links, engine, trainer, bucket_bytes=0)
+            if after.shard is not None:
+                kept[rank] = after.shard
+            if rank in new.rollout_workers:
+                carried[new.rollout_workers.index(rank)] = after.carried
+        return kept, carried, links.handovers
 
     # ---- the rollout side: workers ticked in simulated time -------------------------------------
 

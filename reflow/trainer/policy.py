@@ -19,7 +19,7 @@ Every trainer rank must call the collective methods together.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,7 @@ from reflow.trainer.parallelize import (
     apply_full_activation_checkpointing,
     refuse_eager_fallback,
 )
+from reflow.types import ResizeReport
 
 
 @dataclass
@@ -110,26 +111,6 @@ class StepStats:
         row["behavior_logprob_gap_max"] = row.pop("max_abs_logprob_diff")
         row["entropy_mean"] = row.pop("entropy")
         return row
-
-
-@dataclass
-class ResizeReport:
-    """What one rank did in ``PolicyTrainer.resize``."""
-
-    source: str
-    """The trainer layout before ("T2x2")."""
-    target: str
-    direction: str = "none"
-    """'trainer->rollout' (replicas leave), 'rollout->trainer' (replicas join) or 'none'."""
-    bytes_moved: int = 0
-    """Received as a joining rank: shards, AdamW step counters and the update counter."""
-    bytes_freed: int = 0
-    """Freed as a leaving rank."""
-    broadcasts: int = 0
-    tensors: int = 0
-    """Tensors in the transfer (when replicas joined)."""
-    copied_not_aliased: list[str] = field(default_factory=list)
-    """Shards FSDP had to copy rather than adopt (a dim 0 that does not divide by the shard degree)."""
 
 
 class PolicyTrainer:
