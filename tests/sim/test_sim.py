@@ -7,11 +7,13 @@ import random
 import pytest
 
 from reflow.distributed.placement import parse_placement_name
+from reflow.modes.transition import TrainerClock
 from reflow.rollout.request import Request
 from reflow.sim.engine import SimEngine, SimTrajectory, trajectory
 from reflow.sim.profiles import QWEN3_8B_H800, TINY_CPU, CostProfile, fit_profile
-from reflow.sim.system import SimConfig, simulate
+from reflow.sim.system import SimConfig, SimPlacementLinks, simulate
 from reflow.sim.workload import Workload
+from reflow.types import Handover
 
 PROFILE = CostProfile(
     name="test", source="test", step_overhead_s=0.01, decode_token_s=0.001, context_token_s=0.0, prefill_token_s=0.0,
@@ -266,3 +268,40 @@ def test_a_kv_bound_config_sets_the_simulated_engines_cache():
     assert (free.kv_budget_tokens, free.kv_block_size) == (TINY_CPU.kv_budget_tokens, TINY_CPU.kv_block_size)
     engine = SimEngine(bound, 0, max_steps=1)
     assert engine.budget_blocks == 9
+
+
+def test_the_simulated_placement_links_hold_the_live_protocols_order():
+    """``change_placement`` runs on every simulated rank over ``SimPlacementLinks``: a trainer rank that drains
+    before every rollout worker flushed, or a rank that offers the all-gather something else than it holds, is a
+    fault, not a silent divergence; a handover waits for the new shards; every rank reads the one clock."""
+    clock = TrainerClock(step=7, version=3, steps_done=7, drawn=40)
+    links = SimPlacementLinks(clock, offered=[None, None, (None, ["held"]), (None, [])])
+    links.rank = 0
+    with pytest.raises(RuntimeError, match=r"drained before rollout workers \[2, 3\] flushed"):
+        links.drain([2, 3])
+    for rank in (2, 3):
+        links.rank = rank
+        links.flush([0, 1])
+    links.rank = 1
+    links.drain([2, 3])
+    links.hand_over(0, Handover([], frozenset({5})))
+    assert links.handovers == [(0, Handover([], frozenset({5})))]
+    assert links.broadcast([0, 0, 0, 0]) == [7, 3, 7, 40]
+    links.rank = 2
+    assert links.all_gather((None, ["held"]))[2] == (None, ["held"])
+    with pytest.raises(RuntimeError, match="simulated rank 2 offered"):
+        links.all_gather((None, []))
+
+
+def test_a_simulated_engine_refuses_sleep_with_requests_in_flight_and_work_while_asleep():
+    engine = SimEngine(PROFILE, 0)
+    engine.add(sequences("g", 1, 10, 5)[0])
+    with pytest.raises(RuntimeError, match="put to sleep with 1 requests in flight"):
+        engine.sleep()
+    engine.hold_all()
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="while asleep"):
+        engine.add(sequences("h", 1, 10, 5)[0])
+    engine.load_weights((), 1)  # a weight load wakes it, as RolloutEngine's does
+    engine.add(sequences("h", 1, 10, 5)[0])
+    assert engine.num_active == 1
