@@ -34,6 +34,9 @@ class NothingInFlight:
     def kv_holders(self):
         return set()
 
+    def held_preemptions(self):
+        return 0
+
     def excuse_reload(self, preempted):
         assert preempted == 0
 
