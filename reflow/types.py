@@ -265,6 +265,12 @@ class ResizeReport:
     copied_not_aliased: list[str] = field(default_factory=list)
     """Shards FSDP had to copy rather than adopt (a dim 0 that does not divide by the shard degree)."""
 
+    @staticmethod
+    def direction_of(old_replicas: int, new_replicas: int) -> str:
+        if new_replicas == old_replicas:
+            return "none"
+        return "trainer->rollout" if new_replicas < old_replicas else "rollout->trainer"
+
 
 @dataclass(frozen=True)
 class Stop:

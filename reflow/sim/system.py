@@ -371,8 +371,7 @@ class SimTrainer:
         """``PolicyTrainer.resize`` on one rank: the direction of the change (its time is the profile's
         ``transition_s``, charged once for the whole change; no bytes are simulated)."""
         old = self.sim.layout.replicate_degree
-        direction = "none" if replicas == old else ("trainer->rollout" if replicas < old else "rollout->trainer")
-        return ResizeReport(source=f"T{old}", target=f"T{replicas}", direction=direction)
+        return ResizeReport(source=f"T{old}", target=f"T{replicas}", direction=ResizeReport.direction_of(old, replicas))
 
     def train(self, plans: list[BatchPlan], version: int) -> dict:
         sim, profile = self.sim, self.sim.profile
@@ -467,7 +466,6 @@ class DecoupledSim:
         self.sync_s = 0.0  # the latest weight sync's trainer seconds (``SimPublisher``)
         self.engines_ever: list[SimEngine] = []  # every engine the run built (for its preemption count)
         self.layout: Placement | None = None
-        self.rollout_ranks: list[int] = []  # the ranks that generate, by worker index (``engines`` in order)
         self._enter(build_placement(cfg.gpus, cfg.replicas, cfg.shard_degree, cfg.gpus - cfg.replicas * cfg.shard_degree))
 
     # ---- placement ---------------------------------------------------------------------
@@ -490,6 +488,8 @@ class DecoupledSim:
         step; then the buffers handed over arrive (the live data plane delivers them after the change), each
         rollout rank's worker resumes its ``carried`` groups, and the leader deals (or tells) the new workers."""
         cfg, kept = self.cfg, kept or {}
+        # a rank that generates keeps its engine; one that joins the rollout gets a new engine, awake now
+        engines = dict(zip(self.layout.rollout_workers, self.engines)) if self.layout is not None else {}
         self.layout = layout
         self.replicas = layout.replicate_degree
         num_shards, num_rollout = layout.num_trainer_ranks, layout.num_rollout_ranks
@@ -501,11 +501,8 @@ class DecoupledSim:
         ]
         for heir_rank, handover in handovers:
             self.shards[layout.trainer_ranks.index(heir_rank)].accept_handover(handover.samples, handover.draws)
-        # a rank that generates keeps its engine; one that joins the rollout gets a new engine, awake now
-        engines = {rank: engine for rank, engine in zip(self.rollout_ranks, self.engines)}
-        self.rollout_ranks = list(layout.rollout_workers)
         self.engines = []
-        for rank in self.rollout_ranks:
+        for rank in layout.rollout_workers:
             if rank not in engines:
                 engines[rank] = SimEngine(self.profile, len(self.engines_ever), cfg.macro_steps, cfg.macro_s)
                 engines[rank].clock, engines[rank].version = self.clock, self.version
@@ -583,19 +580,20 @@ class DecoupledSim:
         old, new = plan.old, plan.new
         clock = TrainerClock(self.steps_done, self.version, self.steps_done, self.draws)
         # what every rank gives the all-gather (each worker's prompt share: none, the workers draw from one stream)
-        offered = [(None, held[old.rollout_workers.index(rank)]) if rank in old.rollout_workers else None
-                   for rank in range(old.world_size)]
+        offered = [None] * old.world_size
+        for index, rank in enumerate(old.rollout_workers):
+            offered[rank] = (None, held[index])
         links = SimPlacementLinks(clock, offered)
         trainer = SimTrainer(self)
         kept: dict[int, TrainerShard] = {}
         carried: list[list[HeldGroup]] = [[] for _ in new.rollout_workers]
-        ranks = list(old.rollout_workers) + [r for r in range(old.world_size) if r not in old.rollout_workers]
-        for rank in ranks:
+        worker_of = {rank: index for index, rank in enumerate(old.rollout_workers)}
+        for rank in [*old.rollout_workers, *(r for r in range(old.world_size) if r not in worker_of)]:
             links.rank = rank
+            worker = worker_of.get(rank)
             shard = self.shards[old.trainer_ranks.index(rank)] if old.is_trainer(rank) else None
-            engine = self.engines[old.rollout_workers.index(rank)] if rank in old.rollout_workers else None
-            before = RankState(clock, shard, [None] * len(old.rollout_workers), held[old.rollout_workers.index(rank)]
-                               if rank in old.rollout_workers else [])
+            engine, mine = (self.engines[worker], held[worker]) if worker is not None else (None, [])
+            before = RankState(clock, shard, [None] * len(old.rollout_workers), mine)
             after, _ = change_placement(plan, rank, before, links, engine, trainer, bucket_bytes=0)
             if after.shard is not None:
                 kept[rank] = after.shard

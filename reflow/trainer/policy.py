@@ -280,7 +280,7 @@ class PolicyTrainer:
             old.has(self.rank) and not new.has(self.rank),
             new.has(self.rank) and not old.has(self.rank),
         )
-        report.direction = "trainer->rollout" if replicas < old.replicas else "rollout->trainer"
+        report.direction = ResizeReport.direction_of(old.replicas, replicas)
         model, reference = self.skeletons[replicas] if new.has(self.rank) else (None, None)
         if stays:
             report.copied_not_aliased = adopt(model, new.mesh, local_shards(self.model))
