@@ -289,10 +289,9 @@ class RolloutWorker:
         request comes from its admission version on. async and reflow hold a request without a token as it is."""
         if not self.first_tokens_before_sync:
             return
-        sequences = self.engine.num_active
-        started = self.turns.step_until_started()
-        self.gate.after_step([len(req.output_ids) for req in started], sequences)
-        for req in started:
+        finished, step_sequences = self.turns.step_until_started()
+        self.gate.after_steps([len(req.output_ids) for req in finished], step_sequences)
+        for req in finished:
             self._finished(req)
 
     def _sync(self, version: int) -> None:

@@ -108,15 +108,18 @@ class AdmissionGate:
         return WorkerReport(load, estimate, started)
 
     def after_step(self, finished_lengths: list[int], sequences: int) -> None:
-        """After every engine step over ``sequences`` sequences (its ``decode_steps`` decode steps): learn the
-        finished lengths, feed the controller the engine's signals."""
+        """After an engine ``step`` over ``sequences`` sequences (its ``decode_steps`` decode steps)."""
+        self.after_steps(finished_lengths, [sequences] * self.engine.decode_steps)
+
+    def after_steps(self, finished_lengths: list[int], step_sequences: list[int]) -> None:
+        """After decode steps over ``step_sequences`` sequences each (one_step_off's first-token steps before a
+        sync run many): learn the finished lengths, count the steps, feed the controller the engine's signals."""
         for length in finished_lengths:
             self.lengths.add(length)
         signals = self.engine.signals
-        steps = self.engine.decode_steps
-        self.window["kv_usage_sum"] += signals.kv_usage * steps
-        self.window["engine_steps"] += steps
-        self.window["step_sequences"] += sequences * steps
+        self.window["kv_usage_sum"] += signals.kv_usage * len(step_sequences)
+        self.window["engine_steps"] += len(step_sequences)
+        self.window["step_sequences"] += sum(step_sequences)
         if self.controller is not None:
             decision = self.controller.observe(
                 self.clock(), signals.kv_usage, signals.kv_budget_tokens, len(self._in_flight()), signals.preemptions

@@ -243,17 +243,21 @@ class RolloutEngine:
         self.signals = self.signal_reader.read()
         return finished
 
-    def step_until_started(self) -> list[Request]:
-        """Step until every request in flight has at least one token; returns those that finished meanwhile.
+    def step_until_started(self) -> tuple[list[Request], list[int]]:
+        """Step until every request in flight has at least one token; returns those that finished meanwhile and
+        the sequences in flight at each step (one entry per engine step, for the worker's statistics).
 
         Called before a weight sync (one_step_off), so that a request's first token always comes from the
         weights it was admitted under: its birth version (the oldest of its tokens) is its admission version.
-        Admission is capped by ``max_num_seqs``, so this is normally one step (the prefills of the newest
-        requests)."""
+        Without KV pressure that is one step (the prefills of the newest requests); when the cache is full, a
+        queued request starts only once running ones finish, and this runs until they have (on the
+        rollout-bound bench, about a third of one_step_off's rollout time)."""
         finished: list[Request] = []
+        sequences: list[int] = []
         while any(not req.output_ids for req in self.active.values()):
+            sequences.append(self.num_active)
             finished.extend(self.step())
-        return finished
+        return finished, sequences
 
     def hold_all(self) -> list[Request]:
         """Stop every in-flight request, keeping what it generated so far (tokens, log-probs, versions).

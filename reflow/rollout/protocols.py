@@ -50,7 +50,8 @@ class Engine(Protocol):
 
     def step(self) -> "list[Request]": ...
 
-    def step_until_started(self) -> "list[Request]": ...
+    def step_until_started(self) -> "tuple[list[Request], list[int]]":
+        """Step until every request in flight has a token: what finished, and the sequences of each step."""
 
     def hold_all(self) -> "list[Request]": ...
 

@@ -98,13 +98,14 @@ class TurnDriver:
             self._route(req, finished)
         return finished
 
-    def step_until_started(self) -> list[Request]:
+    def step_until_started(self) -> tuple[list[Request], list[int]]:
         """``RolloutEngine.step_until_started`` (before a weight sync), with the requests that stopped meanwhile
-        routed as in ``step``; returns the trajectories that finished."""
+        routed as in ``step``; returns the trajectories that finished and the sequences of each engine step."""
         finished: list[Request] = []
-        for req in self.engine.step_until_started():
+        stopped, sequences = self.engine.step_until_started()
+        for req in stopped:
             self._route(req, finished)
-        return finished
+        return finished, sequences
 
     def generate(self, requests: Iterable[Request], stats: "WorkerStats | None" = None) -> list[Request]:
         """Run trajectories to their end (the synchronous path). Everything the driver holds runs to its end and

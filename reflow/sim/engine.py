@@ -158,13 +158,15 @@ class SimEngine:
         sequence at its tool) the engine idles to the first tool's return, or ``until``."""
         return self._step(self.max_steps, macro_s=self.macro_s)
 
-    def step_until_started(self) -> list[Request]:
+    def step_until_started(self) -> tuple[list[Request], list[int]]:
         """Single decode steps until every request in flight has a token (``RolloutEngine.step_until_started``);
-        a sequence at its tool has tokens already."""
+        a sequence at its tool has tokens already. Returns what finished and the sequences of each step."""
         finished: list[Request] = []
+        sequences: list[int] = []
         while any(not req.output_ids for req in self.active.values()):
+            sequences.append(self.num_active)
             finished += self._step(1, ignore_until=True)
-        return finished
+        return finished, sequences
 
     def hold_all(self) -> list[Request]:
         """Stop everything in flight, keeping each request's tokens (to resume here or on another engine)."""

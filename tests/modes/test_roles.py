@@ -485,6 +485,36 @@ def test_a_rollout_worker_over_a_simulated_engine_keeps_its_birth_rule_across_a_
 
 
 
+def test_a_rollout_worker_counts_every_engine_step_its_first_token_steps_under_kv_pressure_included():
+    """one_step_off's first-token steps before a sync: when the cache holds only some of the admitted requests,
+    a queued request starts only once running ones finish, so the sync waits on many engine steps. The worker's
+    reports count each of them, as the engine ran them (the engine-steps/s figures and the profiles fitted on a
+    run read these counts)."""
+    import dataclasses
+
+    from reflow.sim.engine import SimEngine
+    from reflow.sim.profiles import TINY_CPU
+
+    tight = dataclasses.replace(TINY_CPU, kv_budget_tokens=6 * TINY_CPU.kv_block_size)  # 6 blocks: 16 requests queue
+    control, outbox = ScriptedControl(), Collect()
+    engine = SimEngine(tight, 0, max_steps=4)
+    worker, _ = simulated_worker(control, outbox, ReloadSameWeights(), window=4 * GROUP, engine=engine,
+                                 first_tokens_before_sync=True)
+    worker.start()
+    assert worker.tick() is None
+    queued = len(engine.waiting)
+    steps_before_sync = engine.engine_steps
+    control.queue.append(SyncWeights(1))
+    assert worker.take_commands() is None
+    first_token_steps = engine.engine_steps - steps_before_sync
+    assert queued and first_token_steps > 1  # the regime: the sync waited on several steps
+    assert all(req.output_ids for req in engine.active.values())
+    for _ in range(20):
+        assert worker.tick() is None
+    worker._report()
+    assert sum(report.engine_steps for report in outbox.reports) == engine.engine_steps
+
+
 @pytest.mark.parametrize("interval", [0.5, 2.0])
 def test_a_rollout_worker_reports_once_per_interval(interval):
     control, outbox = ScriptedControl(), Collect()

@@ -80,7 +80,7 @@ while driver.num_active:
         steps_while_slow_waits += 1
     if not synced and driver.num_waiting_on_tools and engine.num_active:
         # a weight sync with trajectories both in the engine and waiting on a tool
-        for req in driver.step_until_started():
+        for req in driver.step_until_started()[0]:
             finished[req.request_id] = req
         held = driver.hold_all()
         waiting_at_sync = sorted(r.request_id for r in driver.waiting.values())
