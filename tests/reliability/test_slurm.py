@@ -124,6 +124,9 @@ def slurm(tmp_path):
         f"SlurmctldPidFile={state / 'slurmctld.pid'}\nSlurmdPidFile={state / 'slurmd.pid'}\n"
         f"SlurmctldLogFile={state / 'log' / 'slurmctld.log'}\nSlurmdLogFile={state / 'log' / 'slurmd.log'}\n"
         f"ReturnToService=2\nMpiDefault=none\n"
+        # a requeued job waits cred_expire seconds before it may start again (120 by default: most of the test's
+        # time); one node, nothing paged out, so a credential needs far less
+        f"AuthInfo=cred_expire=20\n"
         f"NodeName={host} CPUs={os.cpu_count()} RealMemory=4000 State=UNKNOWN\n"
         f"PartitionName=main Nodes={host} Default=YES MaxTime=INFINITE State=UP\n"
     )
