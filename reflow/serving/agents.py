@@ -190,15 +190,20 @@ class AgentDriver:
             self.tool_wait_s += time.perf_counter() - t0
         return finished
 
-    def step_until_started(self) -> list[Request]:
+    def step_until_started(self) -> tuple[list[Request], list[int]]:
         """one_step_off's rule before a weight sync (every admitted trajectory has its first token from its
         admission version): step until every episode has made its first call and has a token, or has ended.
         An agent slow to make its first call holds the sync up to ``task.agent_timeout_s``; async and reflow
-        do not call this (an episode that starts after the sync is born newer, never staler)."""
+        do not call this (an episode that starts after the sync is born newer, never staler). Returns what
+        finished and the sequences of each engine step (a pass that only waited on agents steps nothing)."""
         finished: list[Request] = []
+        sequences: list[int] = []
         while any(not e.request.output_ids for e in self.episodes.values()):
+            in_engine = self.engine.num_active
             finished.extend(self.step())
-        return finished
+            if self.stepped:
+                sequences += [in_engine] * self.engine.decode_steps
+        return finished, sequences
 
     def generate(self, requests: Iterable[Request], stats: "WorkerStats | None" = None) -> list[Request]:
         for req in requests:
