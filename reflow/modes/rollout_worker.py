@@ -43,7 +43,7 @@ from reflow.metrics.timeline import NullTimeline, Timeline
 from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.protocols import Engine, GroupScorer, GroupSource, WeightReceiver
 from reflow.rollout.request import Request
-from reflow.rollout.turns import TurnDriver
+from reflow.rollout.turns import RolloutDriver
 from reflow.scheduler import DispatchBudget
 from reflow.scheduler.routing import ShardRouter
 from reflow.types import (
@@ -110,7 +110,7 @@ class RolloutWorker:
     def __init__(
         self,
         engine: Engine,
-        turns: TurnDriver,
+        turns: RolloutDriver,
         groups: GroupSource,
         scorer: GroupScorer,
         weight_sync: WeightReceiver,

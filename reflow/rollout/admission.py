@@ -36,13 +36,13 @@ from reflow.scheduler.dispatch import WorkerReport
 from reflow.types import WorkerStats
 
 if TYPE_CHECKING:
-    from reflow.rollout.turns import TurnDriver
+    from reflow.rollout.turns import RolloutDriver
 
 
 class AdmissionGate:
     def __init__(
         self, scheduler: SchedulerSection, rollout: RolloutSection, engine: Engine, group_size: int,
-        turns: "TurnDriver | None" = None, clock: Callable[[], float] = time.perf_counter,
+        turns: "RolloutDriver | None" = None, clock: Callable[[], float] = time.perf_counter,
     ):
         """``scheduler``, ``rollout``: the run's [scheduler] and [rollout] sections (the controller's and the KV
         rule's settings; the engine's max_num_seqs and max_new_tokens)."""

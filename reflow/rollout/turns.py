@@ -208,6 +208,31 @@ class SteppedDriver(Protocol):
     def step(self) -> list[Request]: ...
 
 
+class RolloutDriver(SteppedDriver, Protocol):
+    """What a ``reflow.modes.rollout_worker.RolloutWorker`` drives between the engine and the environment: a
+    ``TurnDriver``, or an agent task's ``reflow.serving.agents.AgentDriver``."""
+
+    scoring: dict
+    """Finished trajectories whose reward is being computed."""
+    waiting: dict
+    """Trajectories out of the engine, at their tool or agent (admission counts them in flight)."""
+
+    @property
+    def num_waiting_on_tools(self) -> int: ...
+
+    def add(self, req: Request) -> None: ...
+
+    def step_until_started(self) -> tuple[list[Request], list[int]]: ...
+
+    def hold_all(self) -> list[Request]: ...
+
+    def resume(self, held: Iterable[Request]) -> None: ...
+
+    def drop_all(self) -> list[Request]: ...
+
+    def take_tool_wait(self) -> float: ...
+
+
 def run_to_end(driver: SteppedDriver, stats: "WorkerStats | None" = None) -> list[Request]:
     """Step ``driver`` until it holds nothing; returns what finished. ``stats`` gains the engine steps and the
     sequences they stepped (the steps that waited on a tool or an agent step nothing)."""

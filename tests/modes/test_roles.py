@@ -347,6 +347,32 @@ def test_the_vllm_engine_and_the_simulated_one_implement_the_engine_protocol():
     assert RolloutEngine.decode_steps == 1 and isinstance(RolloutEngine.num_active, property)
 
 
+def test_the_turn_driver_and_the_agent_driver_implement_the_rollout_driver_protocol():
+    """The worker drives either; each member the protocol names exists on both, with the protocol's return type
+    (an agent run in one_step_off crashed at its first sync when one driver kept an old return)."""
+    import inspect
+
+    from reflow.rollout.turns import RolloutDriver, SteppedDriver, TurnDriver
+    from reflow.serving.agents import AgentDriver
+
+    members = {
+        name: value for cls in (RolloutDriver, SteppedDriver) for name, value in vars(cls).items()
+        if not name.startswith("_")
+    }
+    members.update(dict.fromkeys(RolloutDriver.__annotations__ | SteppedDriver.__annotations__))
+    assert {"step", "step_until_started", "hold_all", "scoring", "engine"} <= set(members)
+    for driver in (TurnDriver, AgentDriver):
+        source = inspect.getsource(driver.__init__)
+        for name, value in members.items():
+            if value is None:  # an attribute: set by the constructor, or a property
+                assert f"self.{name}" in source or isinstance(getattr(driver, name, None), property), (driver.__name__, name)
+            elif isinstance(value, property):
+                assert isinstance(getattr(driver, name, None), property), (driver.__name__, name)
+            else:
+                got = inspect.signature(getattr(driver, name)).return_annotation
+                assert got == inspect.signature(value).return_annotation, (driver.__name__, name, got)
+
+
 class ScriptedControl:
     """A rollout worker's command source in process: what the test appends, in order."""
 
