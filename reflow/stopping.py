@@ -3,7 +3,8 @@
 Signals. Slurm preempts a job with SIGTERM (after ``--signal=USR1@<seconds>``, a warning, when asked), and
 torchrun forwards SIGTERM (and, with ``--signals-to-handle``, SIGUSR1) to every rank, then kills them after
 ``--shutdown-timeout`` seconds. ``StopSignals`` turns either signal into a request: the handler only records
-it (no I/O, nothing interrupted), and the train loop looks at it once per step, at the step's end, where
+it (no I/O, nothing interrupted; installed once the config checks pass, before the rank loads anything, so a
+signal during start-up is recorded too), and the train loop looks at it once per step, at the step's end, where
 the state is consistent: every rank that trains all-reduces its request (MAX of ``StopSignals.code``), so
 one rank's signal stops them all at the same step, and every rank, rank 0 included, learns which signal it
 was (``StopSignals.name_of``): Slurm's signal reaches the torchrun agents one by one, and rank 0, which

@@ -9,7 +9,8 @@ Bad input (config, placement, data files, model folder, checkpoint) is one line 
 and exit code 2, before any rank builds anything.
 
 Build order (every rank, same order: engine and mesh construction are collective):
-  1. config: TOML + overrides, validated against the world size and the model recipe
+  1. config: TOML + overrides, validated against the world size and the model recipe; from here on SIGTERM and
+     SIGUSR1 are recorded, to stop the run after a step (``reflow.stopping``)
   2. distributed: default process group, placement, trainer mesh and group
   3. rollout engine: this rank's embedded vLLM engine
   4. trainer: FSDP2 policy shard + optimizer (trainer ranks)
@@ -33,6 +34,7 @@ from reflow.distributed.placement import feasible_placements
 from reflow.memory_plan import memory_plan
 from reflow.model.recipe import load_recipe, resolve_path
 from reflow.run_record import check_dump_folder, clear_stop, record_stop, write_record
+from reflow.stopping import StopSignals
 
 logger = logging.getLogger("reflow")
 
@@ -230,11 +232,12 @@ def check_inputs(cfg: JobConfig, recipe, where) -> tuple[list, list]:
 
 
 def build_components(
-    cfg: JobConfig, recipe, placement, schedule: list[tuple[int, int]], warnings: list[str], problems: tuple[list, list]
+    cfg: JobConfig, recipe, placement, schedule: list[tuple[int, int]], warnings: list[str], problems: tuple[list, list],
+    stop_signals: StopSignals,
 ):
     """Build every rank's components. ``recipe``, ``placement``, ``schedule`` (placement.schedule parsed),
     ``warnings`` and the (train, eval) ``problems`` come from the checks ``main`` ran before any rank started
-    building."""
+    building; ``stop_signals`` is the handler ``main`` installed before that."""
     import torch
 
     from reflow.checkpoint import CheckpointManager
@@ -366,6 +369,7 @@ def build_components(
         layouts=layouts,
         weight_syncs=weight_syncs,
         schedule=schedule,
+        stop_signals=stop_signals,
     )
 
 
@@ -412,12 +416,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from reflow.modes.registry import MODES
 
-    parts = build_components(cfg, recipe, placement, schedule, warnings, problems)
+    # SIGTERM / SIGUSR1 stop the run after the current step (reflow.stopping), from now on: a signal while the
+    # rank loads its model and engine (minutes for a large one) is recorded, not fatal, and the run stops, with a
+    # checkpoint, after its first step
+    stop_signals = StopSignals().install()
+    parts = build_components(cfg, recipe, placement, schedule, warnings, problems, stop_signals)
     if parts.rank == 0:  # what produced this run, kept with it (a resume appends itself)
         write_record(cfg, record, resume_step)
         clear_stop(cfg)
     mode = MODES[cfg.training.mode](parts)
-    mode.stop_signals.install()  # SIGTERM / SIGUSR1: stop after the current step (reflow.stopping)
     t0 = time.time()
     mode.run()
     ran = f"trained {mode.step} of {cfg.training.steps} steps" if mode.step < cfg.training.steps else f"trained {mode.step} steps"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,6 +69,9 @@ class Components:
     """Forced placement changes: (after step, trainer replicas), from placement.schedule."""
     agents: AgentServing | None = None
     """An agent task's endpoint and agent loop on this rank (``reflow.serving.drivers``)."""
+    stop_signals: StopSignals = field(default_factory=StopSignals)
+    """SIGTERM / SIGUSR1 received so far: ``reflow.train`` installs it before the rank builds anything, so a
+    signal during start-up (minutes of engine and model loading) stops the run after its first step."""
 
 
 class StepTimer:
@@ -119,8 +122,8 @@ class ModeBase:
         self.finished = False
         self.resumed_replicas: int | None = None
         """Trainer replicas when the checkpoint this run resumed from was saved."""
-        self.stop_signals = StopSignals()
-        """Installed by ``reflow.train`` before ``run``: a SIGTERM or SIGUSR1 ends the run after the current step."""
+        self.stop_signals = parts.stop_signals
+        """A SIGTERM or SIGUSR1 ends the run after the current step (``reflow.stopping``)."""
         self.nonfinite = NonFiniteGuard(parts.cfg.training.max_nonfinite_steps)
         self.stopped_by: str | None = None
         """Why the loop ended before training.steps: "time budget", a signal's name, or a non-finite error."""

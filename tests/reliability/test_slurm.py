@@ -148,6 +148,15 @@ def slurm(tmp_path):
             time.sleep(1)
         yield env
     finally:
+        # a failed test leaves its job running: cancel it, so its ranks do not outlive the daemons and hold the
+        # rendezvous port the next run's job needs
+        jobs = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True, timeout=30).stdout.split()
+        if jobs:
+            subprocess.run(["scancel", "--full", *jobs], env=env, capture_output=True, timeout=30)
+            for _ in range(60):
+                if not subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30).stdout.strip():
+                    break
+                time.sleep(1)
         for pid in reversed(started):
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -166,15 +175,22 @@ def _job_state(job: str, env: dict) -> str:
 
 def test_the_rendered_job_trains_stops_at_the_time_limit_requeues_and_resumes_on_a_real_slurm(tmp_path, slurm):
     """The rendered script on a real one-node Slurm: two torchrun agents join one world and train. Slurm's
-    time-limit warning (SIGUSR1, sent here with scancel) stops the ranks after a checkpoint; torchrun exits 1
-    after forwarding it, yet the script ends 0 and requeues the job, which resumes from that checkpoint and
-    finishes the run."""
+    time-limit warning (SIGUSR1, sent here with scancel while the ranks load their engines) stops the ranks after
+    their first step's checkpoint; torchrun exits 1 after forwarding it, yet the script ends 0 and requeues the
+    job, which resumes from that checkpoint and finishes the run.
+
+    The signal comes at a fixed point, not after some step: once rank 0 logs the world (after the process group
+    formed, so every rank has its handler, ``reflow.train`` installs it before that), the ranks still spend
+    tens of seconds building their vLLM engines, so the stop is after step 1 on every run. (Sent after step 1,
+    it raced the run's end: a fast run finished all 5 steps before the signal reached it, and the job failed.)"""
     dump = tmp_path / "run"
     out = tmp_path / "tiny.sbatch"
     render = subprocess.run(
         [
             sys.executable, "-m", "reflow.slurm", "--config", "train_configs/tiny.toml", "--world-size", "2",
             "--gpus-per-node", "0", "--tasks-per-node", "2", "--cpus-per-task", "1", "--out", str(out),
+            # torchrun's --shutdown-timeout follows: 290 s for the ranks to build, train a step and checkpoint
+            "--signal-s", "300",
             f"--job.dump_folder={dump}", "--training.steps=5", "--training.prompts_per_step=4", "--training.group_size=4",
             "--rollout.max_new_tokens=16", "--metrics.enable_progress_bar=false", "--checkpoint.enable=true",
             "--checkpoint.interval=1",
@@ -200,12 +216,13 @@ def test_the_rendered_job_trains_stops_at_the_time_limit_requeues_and_resumes_on
             time.sleep(1)
 
     metrics = dump / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and any('"loss"' in line for line in metrics.read_text().splitlines()), "step 1", 400)
+    wait_for(lambda: "[reflow] world 2:" in log(), "the process group", 400)
+    assert '"loss"' not in metrics.read_text()  # still loading: no step has run
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True, timeout=60)  # the time limit's warning
-    wait_for(lambda: "requeueing job" in log(), "the requeue", 300)
+    wait_for(lambda: "requeueing job" in log(), "the requeue", 400)
     stop = json.loads((dump / "stopped.json").read_text())
-    assert stop["by"] == "SIGUSR1" and stop["checkpoint"] and f"stopped by SIGUSR1 after step {stop['step']}" in log()
-    assert stop["step"] < 5, "the stop came after the run had finished: the test proves nothing"
+    assert stop == dict(stop, by="SIGUSR1", step=1, checkpoint=True), stop
+    assert "stopped by SIGUSR1 after step 1" in log()
     wait_for(lambda: _job_state(job, slurm) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", ""), "the job's end", 600)
     assert _job_state(job, slurm) == "COMPLETED", log()[-4000:]
     assert f"resumed from step {stop['step']}" in log() and "trained 5 steps" in log()
