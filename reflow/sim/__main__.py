@@ -8,7 +8,9 @@
 
 fit       a cost profile from a real decoupled run's metrics.jsonl (``reflow.sim.profiles.fit_profile``)
 validate  replays the modes benchmark's configuration (the config its JSON names, its world size, split and
-          engine limits: a KV-bound config's KV cache) in the simulator, each mode with a tiny-cpu profile fitted
+          engine limits: a KV-bound config's KV cache) in the simulator, each mode the benchmark ran (its
+          ``--modes``: fit and predicted modes must run side by side, as the machine's speed drifts between
+          hours) with a tiny-cpu profile fitted
           on its own runs (every seed the benchmark kept, pooled) and the groups of lengths they wrote, or with
           ``--fit-on MODE`` every mode from that one mode's runs (a prediction of the modes it has not seen),
           and reports each mode's error against its measured values (the mean over its seeds; one run's own
@@ -91,8 +93,16 @@ def cmd_validate(args) -> int:
     bench = _bench_config(real)
     cfg, world = bench["cfg"], bench["world"]
     work_dir = os.path.dirname(os.path.abspath(args.real))
+    # the modes the benchmark ran (``--modes``), the fitted one among them: a cross-mode check compares runs made
+    # side by side, seed by seed (this machine's speed drifts by a quarter between hours: runs of different
+    # hours measure the machine, not the model)
+    modes = [mode for mode in MODES if mode in real["modes"]]
+    if args.fit_on and args.fit_on not in modes:
+        print(f"reflow.sim validate: --fit-on {args.fit_on}: {args.real} has no {args.fit_on} runs (it has "
+              f"{', '.join(modes)})", file=sys.stderr)
+        return 2
     # every seed's run the benchmark kept: the first seed's beside the JSON, the others under seedN/
-    runs = {mode: _seed_runs(work_dir, mode, real["modes"][mode]) for mode in MODES}
+    runs = {mode: _seed_runs(work_dir, mode, real["modes"][mode]) for mode in modes}
     missing = [mode for mode, paths in runs.items() if not paths]
     if missing:
         print(f"reflow.sim validate: no run of {', '.join(missing)} beside {args.real}: run `python -m reflow.bench "
@@ -101,7 +111,7 @@ def cmd_validate(args) -> int:
     # a profile per mode: the component costs (an engine step, a train step, a sync, the loops' own seconds, the
     # trainer's noise) measured in the runs the simulation stands for, and the system's behaviour predicted from
     # them; with --fit-on, every mode from that one mode's runs
-    sources = {mode: args.fit_on or mode for mode in MODES}
+    sources = {mode: args.fit_on or mode for mode in modes}
     try:
         profiles = {
             source: with_engine_settings(
@@ -114,9 +124,9 @@ def cmd_validate(args) -> int:
         return 2
     dataset = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
     prompt_tokens = chain_sum_prompt_tokens(os.path.join(ROOT, cfg.task.train_file))
-    sent = {mode: [_sent(path) for path in runs[mode]] for mode in MODES}
+    sent = {mode: [_sent(path) for path in runs[mode]] for mode in modes}
     detail, throughput_errors, idle_errors = {}, [], []
-    for mode in MODES:
+    for mode in modes:
         measured = real["modes"][mode]  # the means over the seeds
         # the groups of lengths the policy wrote in these runs (it is not the dataset's answers: the tiny model
         # stops short of the longest chains), from their ledgers; sync mode keeps none, so it draws from the
@@ -126,7 +136,7 @@ def cmd_validate(args) -> int:
         source = sources[mode]
         groups = [
             group for run in sent[source] for group in _group_lengths(run, max_version=None if source == mode else steps)
-        ] or [group for other in MODES if other != "sync" for run in sent[other] for group in _group_lengths(run, steps)]
+        ] or [group for other in modes if other != "sync" for run in sent[other] for group in _group_lengths(run, steps)]
         workload = dataclasses.replace(
             dataset, empirical_groups=tuple(lengths for _, lengths in groups),
             empirical_prompt_tokens=tuple(prompt_tokens.get(prompt, dataset.prompt_tokens) for prompt, _ in groups),

@@ -104,3 +104,21 @@ def test_validate_reads_every_seed_the_bench_kept_and_each_groups_prompt(tmp_pat
     ]
     assert _group_lengths(sent) == [("long-4-681", (28, 29)), ("long-4-7", (5,))]
     assert _group_lengths(sent, max_version=2) == [("long-4-681", (28, 29))]
+
+
+def test_validate_takes_the_modes_the_benchmark_ran(tmp_path, capsys):
+    """A benchmark of some modes (``--modes async,one_step_off``: runs side by side, as a cross-mode check needs)
+    validates those; fitting on a mode it did not run is one error that names the modes it has."""
+    from reflow.sim.__main__ import main
+
+    real = tmp_path / "bench.json"
+    real.write_text(json.dumps({
+        "config": "train_configs/bench_rollout_bound.toml", "overrides": [], "world_size": 2, "warmup_steps": 2,
+        "modes": {"async": {"per_seed": [{"seed": 0}]}, "one_step_off": {"per_seed": [{"seed": 0}]}},
+    }))
+    assert main(["validate", "--real", str(real), "--fit-on", "reflow"]) == 2
+    assert "has no reflow runs (it has one_step_off, async)" in capsys.readouterr().err
+    # the two modes it ran are the ones looked for (their runs, here missing, named as such)
+    assert main(["validate", "--real", str(real), "--fit-on", "async"]) == 2
+    err = capsys.readouterr().err
+    assert "validate: no run of one_step_off, async beside" in err
