@@ -294,6 +294,8 @@ class WorkerStats:
     engine_steps: int = 0
     step_sequences: int = 0
     """Sequences summed over the engine steps (mean in flight = step_sequences / engine_steps)."""
+    sampled_tokens: int = 0
+    """Tokens the engine sampled (``Engine.sampled_tokens``): the running sequences summed over the steps."""
     prefilled_tokens: int = 0
     """Prompt and prefix tokens the engine prefilled: new requests, and those a sync preempted, again."""
     sync_s: float = 0.0
@@ -316,7 +318,8 @@ class WorkerStats:
     """What the global dispatcher weighs (scheduler.kv_admission), else None."""
 
     SUMMED = (
-        "busy_s", "idle_s", "tool_wait_s", "engine_steps", "step_sequences", "prefilled_tokens", "sync_s", "syncs",
+        "busy_s", "idle_s", "tool_wait_s", "engine_steps", "step_sequences", "sampled_tokens", "prefilled_tokens",
+        "sync_s", "syncs",
         "held_at_sync", "preemptions", "admitted_groups", "gate_refusals", "kv_usage_sum",
     )
 
@@ -338,7 +341,7 @@ class WorkerStats:
 
 ENGINE_WINDOW_KEYS = {
     "rollout_busy_s": "busy_s", "rollout_engine_steps": "engine_steps", "rollout_step_sequences": "step_sequences",
-    "rollout_prefilled_tokens": "prefilled_tokens",
+    "rollout_prefilled_tokens": "prefilled_tokens", "rollout_sampled_tokens": "sampled_tokens",
 }
 """Metrics-row key -> ``WorkerStats`` field of an engine window: what the decoupled modes' leader and sync mode
 log, and what ``reflow.sim.profiles.fit_profile`` reads."""

@@ -70,6 +70,7 @@ class AdmissionGate:
     def _reset_window(self) -> None:
         self.window = {"admitted_groups": 0, "gate_refusals": 0, "kv_usage_sum": 0.0, "engine_steps": 0, "step_sequences": 0}
         self._window_preemptions_from = self.engine.signals.preemptions
+        self._window_sampled_from = self.engine.sampled_tokens
 
     @property
     def cap(self) -> int:
@@ -133,6 +134,7 @@ class AdmissionGate:
         out = WorkerStats(
             engine_steps=steps,
             step_sequences=self.window["step_sequences"],
+            sampled_tokens=self.engine.sampled_tokens - self._window_sampled_from,
             preemptions=self.engine.signals.preemptions - self._window_preemptions_from,
             admitted_groups=self.window["admitted_groups"],
             gate_refusals=self.window["gate_refusals"],

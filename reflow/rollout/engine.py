@@ -85,6 +85,8 @@ class RolloutEngine:
 
     decode_steps = 1
     """Decode steps one ``step`` runs."""
+    sampled_tokens = 0
+    """(``Engine.sampled_tokens``) counted in ``step``."""
 
     def __init__(
         self, rollout: RolloutSection, recipe: Recipe, hf_dir: str, seed: int, *, keeps_weight_backup: bool = False,
@@ -233,6 +235,7 @@ class RolloutEngine:
             comp = out.outputs[0]  # DELTA output: only the tokens generated in this step
             lps = comp.logprobs or []
             tokens = list(comp.token_ids)
+            self.sampled_tokens += len(tokens)
             version = self.version if req.adapter_version is None else req.adapter_version  # (the adapter that sampled)
             req.append_model_tokens(tokens, [float(lps[k][tok].logprob) for k, tok in enumerate(tokens)], version)
             if out.finished:

@@ -38,6 +38,9 @@ class Engine(Protocol):
     """Tokens per KV block."""
     decode_steps: int
     """Decode steps the latest ``step`` ran."""
+    sampled_tokens: int
+    """Tokens sampled since the engine was built, one per running sequence per decode step: what an engine
+    step's cost grows with (``num_active`` counts the queued requests too, which cost nothing)."""
     pins_versions: bool
     """A sync adds a policy version and holds nothing: each request finishes on the version it started on (a
     LoRA run's adapters, ``RolloutEngine.load_adapter``); False: a sync replaces the weights under held

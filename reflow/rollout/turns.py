@@ -234,13 +234,17 @@ class RolloutDriver(SteppedDriver, Protocol):
 
 
 def run_to_end(driver: SteppedDriver, stats: "WorkerStats | None" = None) -> list[Request]:
-    """Step ``driver`` until it holds nothing; returns what finished. ``stats`` gains the engine steps and the
-    sequences they stepped (the steps that waited on a tool or an agent step nothing)."""
+    """Step ``driver`` until it holds nothing; returns what finished. ``stats`` gains the engine steps, the
+    sequences in flight they stepped (the steps that waited on a tool or an agent step nothing) and the tokens
+    they sampled."""
     done: list[Request] = []
+    sampled = driver.engine.sampled_tokens
     while driver.num_active:
         sequences = driver.engine.num_active
         done.extend(driver.step())
         if stats is not None and driver.stepped:
             stats.engine_steps += driver.engine.decode_steps
             stats.step_sequences += sequences * driver.engine.decode_steps
+    if stats is not None:
+        stats.sampled_tokens += driver.engine.sampled_tokens - sampled
     return done

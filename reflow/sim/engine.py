@@ -89,6 +89,10 @@ class SimEngine:
         self.idle_s = 0.0
         self.engine_steps = 0
         self.step_sequences = 0
+        """Requests in flight (running, queued and at a tool) summed over the decode steps, as the live
+        worker counts them (``num_active`` before each step)."""
+        self.sampled_tokens = 0
+        """(``Engine.sampled_tokens``) the running sequences summed over the decode steps."""
         self.preemptions = 0
         self.prefilled_tokens = 0
         self.kv_usage_sum = 0.0
@@ -279,6 +283,7 @@ class SimEngine:
             if not self.running:
                 return []
         n = len(self.running)
+        in_flight = len(self.active)
         profile = self.profile
         seconds = steps * profile.step_seconds(n, context) + profile.context_token_s * n * steps * (steps - 1) / 2
         seconds += prefill * profile.prefill_token_s
@@ -340,7 +345,8 @@ class SimEngine:
         self.busy_s += seconds
         self.decode_steps = steps
         self.engine_steps += steps
-        self.step_sequences += n * steps
+        self.step_sequences += in_flight * steps
+        self.sampled_tokens += n * steps
         self.running = running
         self.in_tool.extend(tool)
         self.signals = self._signals(min(1.0, kept / budget))  # after the finished left: ``kv_usage()``

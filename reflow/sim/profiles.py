@@ -145,11 +145,15 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     """A profile from real runs' metrics.jsonl files (several modes of one benchmark, or one run), their rows
     after step ``warmup_steps`` (the first steps compile and warm caches: seconds, against tenths after):
 
-      engine    busy seconds of each rollout window against its engine steps, the sequences they stepped and,
+      engine    busy seconds of each rollout window against its engine steps, the tokens they sampled (one per
+                running sequence a step: what the simulated engine charges ``decode_token_s`` for) and,
                 where every window reports them, the tokens prefilled (new prompts, and the prefix of every
                 held request again after a weight sync): a decoupled run's rows carry rollout_engine_steps,
-                rollout_step_sequences and rollout_prefilled_tokens for each report window, a sync run's for
-                each step's generation (its engines, summed over the ranks)
+                rollout_sampled_tokens and rollout_prefilled_tokens for each report window, a sync run's for
+                each step's generation (its engines, summed over the ranks). Runs from before
+                rollout_sampled_tokens was logged stand in rollout_step_sequences, the requests in flight
+                summed over the steps: queued ones included, so on a KV-bound run a per-sequence cost fitted
+                on it is many times too small for the running sequences it is charged on
       trainer   train_time_s of each step against 1, its tokens per trainer rank and whether the trainer had
                 more than one rank (the collectives); each step's measured time over that prediction (the
                 noise a simulated step draws from); the median of the step's seconds outside its wait, its
@@ -173,8 +177,9 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
             f"(found {len(windows)} windows, {len(steps)} steps)"
         )
     prefills = all("rollout_prefilled_tokens" in r for r in windows)
+    sampled = "rollout_sampled_tokens" if all("rollout_sampled_tokens" in r for r in windows) else "rollout_step_sequences"
     engine = _least_squares(
-        [(r["rollout_engine_steps"], r["rollout_step_sequences"], *([r["rollout_prefilled_tokens"]] if prefills else []))
+        [(r["rollout_engine_steps"], r[sampled], *([r["rollout_prefilled_tokens"]] if prefills else []))
          for r in windows],
         [r["rollout_busy_s"] for r in windows],
     )

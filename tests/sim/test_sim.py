@@ -1,6 +1,7 @@
 """The simulator: its engine's paged KV cache, the modes' guarantees when it runs the real scheduling
 classes, the planner moving ranks in simulated time, and profile fitting."""
 
+import dataclasses
 import json
 import random
 
@@ -33,9 +34,19 @@ def test_engine_shares_full_prompt_blocks_and_costs_each_step():
     engine.resume(sequences("a", 4, prompt=40, target=8))  # 2 full prompt blocks shared, 8 + 8 tokens each: 1 block
     finished = engine.step()
     assert [len(req.output_ids) for req in finished] == [8] * 4 and engine.decode_steps == 8
-    assert engine.engine_steps == 8 and engine.step_sequences == 32
+    assert engine.engine_steps == 8 and engine.step_sequences == 32 and engine.sampled_tokens == 32
     assert engine.busy_s == pytest.approx(8 * (0.01 + 4 * 0.001))
     assert engine._blocks([trajectory(req) for req in finished]) == 2 + 4 * 1
+
+
+def test_engine_counts_requests_in_flight_apart_from_the_tokens_it_samples():
+    """``step_sequences`` counts every request in flight, queued ones too, as the live worker does; the step's
+    cost and ``sampled_tokens`` follow the running ones only (here 2 of 4: max_num_seqs)."""
+    engine = SimEngine(dataclasses.replace(PROFILE, max_num_seqs=2), 0, max_steps=8)
+    engine.resume(sequences("a", 4, prompt=40, target=8))
+    assert [len(req.output_ids) for req in engine.step()] == [8, 8] and engine.decode_steps == 8
+    assert engine.step_sequences == 4 * 8 and engine.sampled_tokens == 2 * 8
+    assert engine.busy_s == pytest.approx(8 * (0.01 + 2 * 0.001))
 
 
 def test_a_macro_step_of_a_small_batch_fills_its_seconds():
@@ -109,13 +120,18 @@ def test_the_planner_moves_ranks_toward_the_bottleneck_and_says_why():
     assert _replicas(result["timeline"][-1]["placement"]) > 1
 
 
-def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
+@pytest.mark.parametrize("logs_sampled", [True, False], ids=["sampled-tokens", "older-run"])
+def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path, logs_sampled):
+    """The engine's cost per sampled token comes from rollout_sampled_tokens (the running sequences), not from
+    the requests in flight, queued ones included (here an unrelated multiple of them); a run from before
+    rollout_sampled_tokens was logged fits on the requests in flight."""
     rng = random.Random(0)
     rows = []
     for step in range(1, 21):
         steps, sequences_stepped, tokens = rng.randint(50, 150), rng.randint(1000, 6000), rng.randint(2000, 9000)
         prefilled = rng.randint(500, 5000)
         ranks = 1 + step % 2  # T1x1+R3 and T2x1+R2 in turn: the collectives cost 0.02 s with 2 ranks
+        in_flight = sequences_stepped * rng.randint(3, 40) if logs_sampled else sequences_stepped
         busy = 0.004 * steps + 0.0002 * sequences_stepped + 0.00005 * prefilled
         train = 0.05 + 0.0003 * tokens / ranks + (0.02 if ranks > 1 else 0.0)
         sync = 0.1 if step % 2 == 0 else 0.0
@@ -129,7 +145,8 @@ def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path):
         rows.append({
             "rollout_sync_s": worker_sync, "rollout_syncs": worker_syncs,
             "step": step, "placement": f"T{ranks}x1+R{4 - ranks}", "rollout_engine_steps": steps,
-            "rollout_step_sequences": sequences_stepped, "rollout_prefilled_tokens": prefilled,
+            "rollout_step_sequences": in_flight, "rollout_prefilled_tokens": prefilled,
+            **({"rollout_sampled_tokens": sequences_stepped} if logs_sampled else {}),
             "rollout_busy_s": busy, "rollout_idle_s": idle, "trainer_tokens": tokens, "train_time_s": train,
             "weight_sync_s": sync, "trainer_wait_s": wait, "step_time_s": step_time,
         })
