@@ -83,6 +83,19 @@ def test_sync_mode_needs_interval_one():
         validate(cfg, m.where)
 
 
+def test_a_kv_cache_too_small_for_one_request_of_max_model_len():
+    """vLLM keeps one of num_kv_blocks back and refuses, on every rank at start-up, a cache that cannot hold one
+    request of max_model_len tokens: one config error before ranks start instead."""
+    m = ConfigManager()
+    args = ["--rollout.kv_block_size=32", "--rollout.max_model_len=256"]
+    with pytest.raises(ConfigError, match=r"'rollout.num_kv_blocks' = 6 blocks .* hold 160 tokens.*use at least 9 blocks"):
+        validate(m.parse_args([*args, "--rollout.num_kv_blocks=6"]), m.where)
+    with pytest.raises(ConfigError, match="rollout.num_kv_blocks"):
+        validate(m.parse_args([*args, "--rollout.num_kv_blocks=8"]), m.where)  # 224 tokens
+    validate(m.parse_args([*args, "--rollout.num_kv_blocks=9"]), m.where)  # 256: exactly one request
+    validate(m.parse_args(["--config", "train_configs/bench_rollout_bound.toml"]), m.where)  # 10 blocks, 288 tokens
+
+
 def test_a_micro_batch_token_budget_below_the_longest_row():
     m = ConfigManager()
     cfg = m.parse_args(["--training.micro_batch_tokens=100", "--rollout.max_model_len=256"])
