@@ -319,8 +319,7 @@ class WorkerStats:
 
     SUMMED = (
         "busy_s", "idle_s", "tool_wait_s", "engine_steps", "step_sequences", "sampled_tokens", "prefilled_tokens",
-        "sync_s", "syncs",
-        "held_at_sync", "preemptions", "admitted_groups", "gate_refusals", "kv_usage_sum",
+        "sync_s", "syncs", "held_at_sync", "preemptions", "admitted_groups", "gate_refusals", "kv_usage_sum",
     )
 
     def __add__(self, later: "WorkerStats") -> "WorkerStats":

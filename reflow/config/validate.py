@@ -43,13 +43,14 @@ def validate(cfg: JobConfig, where=lambda key: "default") -> None:
             f"= {t.micro_batch_tokens} is below rollout.max_model_len ({r.max_model_len}): a row that long would not "
             "fit any micro-batch (set it to at least the longest row, or 0 for micro_batch_size rows each)",
         )
-    if r.num_kv_blocks and r.kv_block_size and (r.num_kv_blocks - 1) * r.kv_block_size < r.max_model_len:
-        # vLLM keeps one block as its null block and refuses, on every rank at start-up, a cache that cannot hold
-        # one request of max_model_len tokens
+    # vLLM keeps one block as its null block and refuses, on every rank at start-up, a cache that cannot hold one
+    # request of max_model_len tokens
+    kv_tokens = (r.num_kv_blocks - 1) * r.kv_block_size
+    if r.num_kv_blocks and r.kv_block_size and kv_tokens < r.max_model_len:
         fail(
             "rollout.num_kv_blocks",
             f"= {r.num_kv_blocks} blocks of rollout.kv_block_size = {r.kv_block_size} tokens hold "
-            f"{(r.num_kv_blocks - 1) * r.kv_block_size} tokens (vLLM keeps one block back), below rollout.max_model_len "
+            f"{kv_tokens} tokens (vLLM keeps one block back), below rollout.max_model_len "
             f"({r.max_model_len}): vLLM could not serve one request of that length (use at least "
             f"{-(-r.max_model_len // r.kv_block_size) + 1} blocks, or a shorter max_model_len)",
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,11 +67,11 @@ class Components:
     """The weight sync of every feasible placement, by trainer replica count."""
     schedule: list
     """Forced placement changes: (after step, trainer replicas), from placement.schedule."""
-    agents: AgentServing | None = None
-    """An agent task's endpoint and agent loop on this rank (``reflow.serving.drivers``)."""
-    stop_signals: StopSignals = field(default_factory=StopSignals)
+    stop_signals: StopSignals
     """SIGTERM / SIGUSR1 received so far: ``reflow.train`` installs it before the rank builds anything, so a
     signal during start-up (minutes of engine and model loading) stops the run after its first step."""
+    agents: AgentServing | None = None
+    """An agent task's endpoint and agent loop on this rank (``reflow.serving.drivers``)."""
 
 
 class StepTimer:

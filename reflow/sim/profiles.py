@@ -150,9 +150,9 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
                 where every window reports them, the tokens prefilled (new prompts, and the prefix of every
                 held request again after a weight sync): a decoupled run's rows carry rollout_engine_steps,
                 rollout_sampled_tokens and rollout_prefilled_tokens for each report window, a sync run's for
-                each step's generation (its engines, summed over the ranks). Runs from before
-                rollout_sampled_tokens was logged stand in rollout_step_sequences, the requests in flight
-                summed over the steps: queued ones included, so on a KV-bound run a per-sequence cost fitted
+                each step's generation (its engines, summed over the ranks). A run from before
+                rollout_sampled_tokens was logged is fitted on rollout_step_sequences instead, the requests in
+                flight summed over the steps: queued ones included, so on a KV-bound run a per-sequence cost fitted
                 on it is many times too small for the running sequences it is charged on
       trainer   train_time_s of each step against 1, its tokens per trainer rank and whether the trainer had
                 more than one rank (the collectives); each step's measured time over that prediction (the
