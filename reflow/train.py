@@ -33,6 +33,7 @@ from reflow.config.validate import mode_warnings, parse_schedule, validate, vali
 from reflow.distributed.placement import feasible_placements
 from reflow.memory_plan import memory_plan
 from reflow.model.recipe import load_recipe, resolve_path
+from reflow.process_lifetime import exit_now, freeze_startup_objects
 from reflow.run_record import check_dump_folder, clear_stop, record_stop, write_record
 from reflow.stopping import StopSignals
 
@@ -421,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     # checkpoint, after its first step
     stop_signals = StopSignals().install()
     parts = build_components(cfg, recipe, placement, schedule, warnings, problems, stop_signals)
+    freeze_startup_objects()  # what start-up made lives as long as the rank (reflow.process_lifetime)
     if parts.rank == 0:  # what produced this run, kept with it (a resume appends itself)
         write_record(cfg, record, resume_step)
         clear_stop(cfg)
@@ -461,4 +463,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # (reflow.process_lifetime: a finished rank skips Python's finalization)

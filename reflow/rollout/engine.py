@@ -26,6 +26,7 @@ import torch
 from reflow.config.job_config import RolloutSection
 from reflow.distributed.host_memory import release_host_cache
 from reflow.model.recipe import Recipe
+from reflow.process_lifetime import freeze_startup_objects
 from reflow.rollout.kv_signals import EngineSignalReader, EngineSignals
 from reflow.rollout.request import Request
 from reflow.rollout.tensor_parallel import EngineMirror
@@ -138,6 +139,7 @@ class RolloutEngine:
             kwargs.update(enable_lora=True, max_lora_rank=adapters.rank, max_loras=adapters.versions + 1,
                           max_cpu_loras=adapters.versions + 2)
         quiet_vendor_logs()  # (after vLLM's import set up its handlers)
+        freeze_startup_objects()  # vLLM's build collects five times (reflow.process_lifetime)
         t0 = time.time()
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
