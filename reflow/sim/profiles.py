@@ -37,6 +37,8 @@ class CostProfile:
     train_collective_s: float
     """Added to a trainer step when the trainer has more than one rank (FSDP gathers and reductions)."""
     weight_sync_s: float
+    """The trainer's seconds per weight sync: its gather and the broadcast to the rollout ranks (a colocated sync
+    reloads its own engine after that: ``worker_sync_s`` more)."""
     transition_s: float
     step_fixed_s: float = 0.0
     """The trainer's seconds a step outside waiting, the train step and the weight sync (the batch packed, the
@@ -160,7 +162,9 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
                 train step and its sync (the fixed costs)
       worker    a decoupled run's rollout seconds per weight sync beyond the trainer's, and its seconds
                 neither busy, idle nor syncing, per decode step
-      sync      the mean weight_sync_s of the steps that synced
+      sync      the mean weight_sync_s of the decoupled steps that synced; a colocated run's (sync mode's) sync
+                is the gather and its own engine's reload, one after the other, so from colocated runs only
+                it is their mean sync with no worker seconds beyond it (the split cannot be told apart)
 
     Fields the runs cannot tell (KV budget, block size, the context cost, the prefill cost of runs that did not
     report it, a transition when none happened) keep ``base``'s values."""
@@ -199,7 +203,8 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     raw = [actual / p for actual, p in pairs]
     scale = (sum(actual for actual, _ in pairs) / sum(p for _, p in pairs)) / (sum(raw) / len(raw)) if raw else 1.0
     ratios = tuple(round(ratio * scale, 3) for ratio in raw)
-    syncs = [r["weight_sync_s"] for r in steps if r["weight_sync_s"] > 0]
+    decoupled = [r for r in steps if parse_placement_name(r["placement"]).num_rollout_ranks > 0]
+    syncs = [r["weight_sync_s"] for r in (decoupled or steps) if r["weight_sync_s"] > 0]
     # the trainer's step outside its wait (a decoupled trainer's, or sync mode's generation), its train step and
     # its sync: the median, as a step that evaluates or checkpoints is an outlier
     outside = sorted(
@@ -212,7 +217,7 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     worker_syncs = sum(r.get("rollout_syncs", 0) for r in rows)
     worker_sync = (
         max(0.0, sum(r.get("rollout_sync_s", 0.0) for r in rows) / worker_syncs - weight_sync) if worker_syncs
-        else base.worker_sync_s
+        else 0.0 if not decoupled else base.worker_sync_s
     )
     # a rollout worker's wall time neither busy, idle nor syncing, per decode step, over each decoupled run (its
     # windows close about once a second, not with the steps): its rollout ranks live the steps' seconds (a

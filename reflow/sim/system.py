@@ -840,12 +840,13 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
                 engine.clock = generated
             round_start = generated
         train = profile.train_seconds(max(tokens), cfg.gpus, train_rng)
-        clock = generated + train + profile.step_fixed_s + profile.weight_sync_s
+        sync = profile.weight_sync_s + profile.worker_sync_s  # the gather, then each GPU reloads its own engine
+        clock = generated + train + profile.step_fixed_s + sync
         for engine in engines:  # each waits for the slowest, then for training and the sync
             engine.idle_s += clock - engine.clock
             engine.clock = clock
         records.append(StepRecord(
-            step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(tokens), sync_s=profile.weight_sync_s,
+            step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(tokens), sync_s=sync,
             received=generated_groups * cfg.group_size, fresh=kept * cfg.group_size, replayed=0,
             filtered=(generated_groups - kept) * cfg.group_size,
             rollout_busy_s=sum(e.busy_s for e in engines) - busy0, rollout_idle_s=sum(e.idle_s for e in engines) - idle0,

@@ -163,6 +163,28 @@ def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path, logs_sampled):
     assert profile.train_time_ratios == pytest.approx([1.0] * 20)  # every step exactly as predicted
 
 
+def test_a_colocated_sync_is_the_gather_and_its_own_engines_reload(tmp_path):
+    """Sync mode's weight sync gathers, then each rank reloads its own engine: the simulator charges a sync step
+    weight_sync_s + worker_sync_s. Fitted from a colocated run, whose sync holds both parts, the profile takes
+    the run's mean sync and no worker seconds beyond it, so the run is predicted as measured."""
+    rows = [{
+        "step": step, "placement": "T1x2+R0", "rollout_engine_steps": 40 + step, "rollout_sampled_tokens": 400 + 9 * step,
+        "rollout_prefilled_tokens": 300, "rollout_busy_s": 0.2 + 0.01 * step, "trainer_tokens": 1000 + 50 * step,
+        "train_time_s": 0.3 + 0.01 * step, "weight_sync_s": 0.03 + 0.002 * (step % 3), "gen_time_s": 0.5,
+        "step_time_s": 0.9 + 0.01 * step,
+    } for step in range(1, 11)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    base = CostProfile(**{**TINY_CPU.as_dict(), "worker_sync_s": 0.5})  # (what the run cannot tell comes from base)
+    profile = fit_profile([str(path)], "colocated", base)
+    assert profile.weight_sync_s == pytest.approx(sum(r["weight_sync_s"] for r in rows) / 10)
+    assert profile.worker_sync_s == 0.0
+    reloading = CostProfile(**{**PROFILE.as_dict(), "weight_sync_s": 0.05, "worker_sync_s": 0.02})
+    result = simulate(SimConfig(mode="sync", gpus=2, prompts_per_step=8, group_size=4, steps=4, warmup_steps=0),
+                      reloading, WORKLOAD)
+    assert result["sync_s_per_step"] == pytest.approx(0.07)
+
+
 def test_a_profile_with_measured_train_noise_draws_each_step_from_it():
     noisy = CostProfile(**{**PROFILE.as_dict(), "train_time_ratios": (0.5, 2.0)})
     rng = random.Random(0)
