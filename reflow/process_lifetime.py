@@ -14,15 +14,20 @@ Exit: once ``reflow.train.main`` returns, every file the run writes is closed an
 final barrier. Python's own finalization then tears down each module and object of a process that is about
 to end anyway: 2.5 s per rank for the tiny model, as long as a training step. ``exit_now`` runs the exit hooks
 (``atexit``: vLLM's process-group teardown, the sandbox's cgroup cleanup), flushes stdout and stderr and ends
-the process with the code. A rank that fails raises out of ``main`` and is torn down in full, as before.
+the process with C's ``exit``, not ``os._exit``: the C and C++ exit handlers must still run. vLLM's CPU engine
+unlinks its tensor-parallel shared memory (``/dev/shm/*-cpushm_*``, one fixed name per rank group) in one;
+after an ``os._exit`` those segments outlived the run, and the next tensor-parallel engine on the host failed
+to start ("create shm in SHMManager failed. errno: 17"). It is called through ``ctypes.PyDLL``, which keeps
+the GIL: handlers that reach into Python need it. A rank that fails raises out of ``main`` and is torn down in
+full, as before.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import logging
-import os
 import sys
 
 
@@ -43,4 +48,4 @@ def exit_now(code: int) -> None:
                 stream.flush()
             except (OSError, ValueError):  # a closed or broken stream: nothing left to flush
                 pass
-        os._exit(code)
+        ctypes.PyDLL(None).exit(code)  # (module docstring: C's exit, with the GIL)
