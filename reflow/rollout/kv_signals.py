@@ -79,14 +79,23 @@ class EngineSignalReader:
         """A weight reload preempted ``preempted`` requests on purpose (their KV was the old weights'): not
         counted as the KV-pressure preemptions the concurrency controller reacts to. The count must be what the
         reload did (``held_preemptions`` after less before): the reset preempts the running requests only, not
-        the waiting ones that keep blocks, so counting every KV holder would drive the total below zero."""
+        the waiting ones that keep blocks, so counting every KV holder would drive the total below zero. The
+        requests' counts are taken now too: a request the reload preempted may leave the engine before the next
+        ``read`` (handed over or evicted at the sync), and its excused preemption must be in the total it leaves
+        (the total went below zero in a run whose placement changed)."""
         self._by_reloads += preempted
+        self._take_counts()
 
-    def read(self) -> EngineSignals:
-        running, waiting = self.scheduler.get_request_counts()
+    def _take_counts(self) -> None:
+        """The preemptions of the requests held now, and of those that left since the last count."""
         live = {request_id: request.num_preemptions for request_id, request in self.scheduler.requests.items()}
         self._retired += sum(count for request_id, count in self._live.items() if request_id not in live)
         self._live = live
+
+    def read(self) -> EngineSignals:
+        running, waiting = self.scheduler.get_request_counts()
+        self._take_counts()
+        live = self._live
         return EngineSignals(
             kv_usage=float(self.manager.usage),
             kv_budget_tokens=self.kv_budget_tokens,
