@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import gc
-import logging
 import sys
 
 
@@ -40,8 +39,7 @@ def freeze_startup_objects() -> None:
 def exit_now(code: int) -> None:
     """End this process with ``code`` without Python's finalization (module docstring); never returns."""
     try:
-        atexit._run_exitfuncs()
-        logging.shutdown()
+        atexit._run_exitfuncs()  # (logging's own shutdown among them)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

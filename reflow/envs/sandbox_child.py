@@ -119,5 +119,6 @@ def main() -> None:
         sys.stderr.flush()
         os._exit(int(exit_memory))
 
+
 if __name__ == "__main__":
     main()

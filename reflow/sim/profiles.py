@@ -213,12 +213,15 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     )
     step_fixed = max(0.0, outside[len(outside) // 2])
     weight_sync = sum(syncs) / len(syncs) if syncs else base.weight_sync_s
-    # a rollout worker's seconds per sync beyond the broadcast, from the runs whose workers time their syncs
+    # a rollout worker's seconds per sync beyond the broadcast, from the runs whose workers time their syncs (a
+    # colocated sync's reload is inside its weight_sync_s already)
     worker_syncs = sum(r.get("rollout_syncs", 0) for r in rows)
-    worker_sync = (
-        max(0.0, sum(r.get("rollout_sync_s", 0.0) for r in rows) / worker_syncs - weight_sync) if worker_syncs
-        else 0.0 if not decoupled else base.worker_sync_s
-    )
+    if worker_syncs:
+        worker_sync = max(0.0, sum(r.get("rollout_sync_s", 0.0) for r in rows) / worker_syncs - weight_sync)
+    elif decoupled:
+        worker_sync = base.worker_sync_s
+    else:
+        worker_sync = 0.0
     # a rollout worker's wall time neither busy, idle nor syncing, per decode step, over each decoupled run (its
     # windows close about once a second, not with the steps): its rollout ranks live the steps' seconds (a
     # run whose workers do not time their syncs: less the trainer's sync seconds)
