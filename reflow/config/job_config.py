@@ -548,6 +548,13 @@ class SchedulerSection:
     """Placement planner: an idle ratio above this, on one side for idle_windows windows in a row, re-decides
     regardless of the margin and the transition cost."""
     idle_windows: int = limited(2, ge=1)
+    planner_memory_steps: int = limited(0, ge=0)
+    """Placement planner: steps a placement's measured throughput stays valid and overrules the model's
+    prediction for it (0: off, the model alone decides)."""
+    planner_explore_budget: float = limited(0.0, ge=0)
+    """Placement planner: a placement never measured, next to the best measured one, is tried while two
+    transitions cost at most this fraction of the horizon's predicted seconds (0: only the placements the
+    model chooses are measured). Needs planner_memory_steps; both are experimental (reflow/scheduler/planner.py)."""
 
 
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -34,14 +34,36 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    waiver: that placement was left on measured rates, and the side that now idles is what the trade was
    expected to cost, not new evidence (the live tiny_adaptive run went 2 -> 1 on an idle trainer and
    1 -> 2 on idle rollout ranks six steps later).
+7. Measured beats modeled. The model scales a trainer replica's rate and a rollout rank's rate linearly, which
+   a real machine need not do: a replica added to a small model's trainer adds a gradient all-reduce and its
+   own optimizer step, and ranks may share hosts, links or cores. So every placement the run has stood in keeps
+   its measured throughput (trained tokens per second, waits included: what a user gets), summed over its
+   windows of the last ``memory_steps`` steps whose smoothed response length was within ``SAME_WORKLOAD`` of
+   today's (the same workload). Each candidate's throughput is then taken relative to the
+   current placement's: measured over measured where both were measured, else the model's ratio. A move
+   between measured placements is a measurement, not a prediction, so step 6's double margin does not apply
+   to it. (On the 4-rank CPU placement bench the model alone took 3 replicas where 3 measured 0.72x of 2.)
+8. Explore. A model that is wrong about a placement it never tried is never corrected, so once the best
+   measured placement has a full window, its unmeasured neighbours (one replica more or fewer) are tried
+   in turn, the model's favourite first, after the cooldown, while two transitions cost at most
+   ``explore_budget`` of the horizon's predicted time. The trial lasts the cooldown; step 7 then keeps it or
+   goes back. (The CPU bench's rollout-heavy workload measured 1 replica 1.4x 2, which the model put at 0.5x.)
+   Steps 7 and 8 are opt-in (``planner_memory_steps``, ``planner_explore_budget``): on the live CPU bench the
+   smoothed length of the rollout-heavy workload swings between 5 and 32 tokens, so measurements keep leaving
+   the same workload, and with the idle waiver the run moved 15 times in 260 steps (0.735x the best static
+   split, against 0.724x for the model alone); in the simulator, whose world the model matches, trials during
+   a drift cost more than they found.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 TIE = 0.02
 """Candidates whose predicted throughput is within this fraction of the best are tied (step 4)."""
+SAME_WORKLOAD = 1.5
+"""Step 7 compares measurements made at smoothed response lengths within this factor of today's: a placement
+measured on answers 8x shorter says nothing about it now (the simulator's drifting workload)."""
 
 
 def least_squares_slope(points: list[tuple[int, float]]) -> float:
@@ -74,6 +96,11 @@ class PlannerSettings:
     """Steps of the run's start left out of every measurement (compilation, first batches)."""
     idle_threshold: float = 0.3
     idle_windows: int = 2
+    memory_steps: int = 0
+    """Steps a placement's measured throughput stays valid (step 7; 0, the default: off, the model alone)."""
+    explore_budget: float = 0.0
+    """Step 8 tries an unmeasured neighbour while two transitions cost at most this fraction of the horizon's
+    predicted seconds (0, the default: never)."""
 
     @classmethod
     def from_section(cls, section, world_size: int, shard_degree: int, replica_options: tuple[int, ...], sigma: float,
@@ -84,7 +111,8 @@ class PlannerSettings:
             batch_size=batch_size, cooldown_steps=section.cooldown_steps, margin=section.margin,
             horizon_steps=section.horizon_steps, transition_cost_s=section.transition_cost_s, ema=section.planner_ema,
             warmup_steps=section.planner_warmup_steps, idle_threshold=section.idle_threshold,
-            idle_windows=section.idle_windows,
+            idle_windows=section.idle_windows, memory_steps=section.planner_memory_steps,
+            explore_budget=section.planner_explore_budget,
         )
 
 
@@ -177,6 +205,8 @@ class Candidate:
     """Fresh coverage: production / consumption."""
     step_s: float
     """Predicted seconds per trainer step."""
+    measured: bool = False
+    """Throughput and step_s come from this placement's measurement (step 7), not from the model alone."""
 
     def in_band(self, sigma: float) -> bool:
         return 1.0 - sigma <= self.coverage <= 1.0
@@ -214,6 +244,7 @@ class PlacementDecision:
                 planner_step_s={str(c.replicas): round(c.step_s, 3) for c in self.candidates},
                 planner_predicted_saving_s=self.predicted_saving_s,
                 planner_transition_cost_s=self.transition_cost_s,
+                planner_measured=sorted(c.replicas for c in self.candidates if c.measured),
             )
         return row
 
@@ -233,6 +264,8 @@ class PlacementPlanner:
         self.smoothed: Rates | None = None
         self.lengths: list[tuple[int, float]] = []  # (step, mean length) of the windows in the trend's span
         self.idle_streak = {"trainer": 0, "rollout": 0}
+        # replicas -> its windows' (step, trained tokens, seconds, smoothed response length)
+        self.measured: dict[int, list[tuple[int, float, float, float]]] = {}
         self.decisions: list[PlacementDecision] = []
 
     # ---- memory between decisions (checkpointed) ----------------------------------------
@@ -248,6 +281,7 @@ class PlacementPlanner:
             "last_change_step": self.last_change_step,
             "left": self.left,
             "transition_cost_s": self.transition_cost_s,
+            "measured": {str(n): [list(w) for w in windows] for n, windows in self.measured.items()},
         }
 
     def load_state(self, state: dict) -> None:
@@ -257,6 +291,10 @@ class PlacementPlanner:
         self.last_change_step = int(state["last_change_step"])
         self.left = None if state["left"] is None else int(state["left"])
         self.transition_cost_s = float(state["transition_cost_s"])
+        self.measured = {  # (absent from a checkpoint written before step 7: nothing measured)
+            int(n): [(int(at), float(tokens), float(seconds), float(length)) for at, tokens, seconds, length in windows]
+            for n, windows in state.get("measured", {}).items()
+        }
 
     # ---- steps 1 and 2 -------------------------------------------------------------------
 
@@ -317,6 +355,57 @@ class PlacementPlanner:
         tied = [c for c in candidates if c.throughput >= (1 - TIE) * best]
         return min(tied, key=lambda c: (not c.in_band(self.settings.sigma), abs(c.replicas - replicas)))
 
+    # ---- steps 7 and 8 ---------------------------------------------------------------------
+
+    def remember(self, window: WindowMeasurement, replicas: int, step: int, length: float) -> None:
+        """Add the window (at smoothed response length ``length``) to the current placement's measurement and
+        forget windows past ``memory_steps``."""
+        if window.steps and window.seconds > 0 and window.trained_tokens > 0:
+            self.measured.setdefault(replicas, []).append((step, window.trained_tokens, window.seconds, length))
+        oldest = step - self.settings.memory_steps
+        self.measured = {n: kept for n, windows in self.measured.items() if (kept := [w for w in windows if w[0] > oldest])}
+
+    def measured_rate(self, replicas: int, length: float) -> float | None:
+        """Trained tokens per second over the placement's remembered windows of the same workload as a smoothed
+        response length of ``length`` (None: not measured on it)."""
+        same = [w for w in self.measured.get(replicas, []) if max(w[3] / length, length / w[3]) <= SAME_WORKLOAD]
+        seconds = sum(w[2] for w in same)
+        return sum(w[1] for w in same) / seconds if seconds > 0 else None
+
+    def corrected(self, model: list[Candidate], replicas: int, length: float) -> list[Candidate]:
+        """Step 7: a measured candidate's throughput is the current one's times the ratio of their measurements."""
+        here = self.measured_rate(replicas, length)
+        current = next(c for c in model if c.replicas == replicas)
+        if here is None or current.throughput <= 0:
+            return model
+        out = []
+        for c in model:
+            there = self.measured_rate(c.replicas, length)
+            if there is None:
+                out.append(c)
+                continue
+            throughput = current.throughput * there / here
+            out.append(replace(
+                c, throughput=throughput, step_s=self.settings.batch_size / throughput if throughput > 0 else float("inf"),
+                measured=True,
+            ))
+        return out
+
+    def exploration(self, candidates: list[Candidate], replicas: int, length: float) -> Candidate | None:
+        """Step 8: the unmeasured neighbour of the best measured placement to try now, or None."""
+        settings = self.settings
+        rates = {n: rate for n in settings.replica_options if (rate := self.measured_rate(n, length)) is not None}
+        if settings.explore_budget <= 0 or replicas not in rates:
+            return None
+        options = sorted(settings.replica_options)
+        at = options.index(max(rates, key=rates.__getitem__))
+        neighbours = {options[j] for j in (at - 1, at + 1) if 0 <= j < len(options) and options[j] not in rates}
+        by_replicas = {c.replicas: c for c in candidates}
+        horizon_s = settings.horizon_steps * by_replicas[replicas].step_s
+        if not neighbours or 2 * self.transition_cost_s > settings.explore_budget * horizon_s:
+            return None
+        return max((by_replicas[n] for n in neighbours), key=lambda c: c.throughput)
+
     # ---- step 5 ----------------------------------------------------------------------------
 
     def decide(self, step: int, replicas: int, window: list[dict]) -> PlacementDecision:
@@ -336,9 +425,25 @@ class PlacementPlanner:
             for side, idle in (("trainer", window.trainer_idle), ("rollout", window.rollout_idle)):
                 self.idle_streak[side] = self.idle_streak[side] + 1 if idle > settings.idle_threshold else 0
         rates = self.observe(window, replicas, step)
+        self.remember(window, replicas, step, rates.length if rates is not None else window.length_mean)
         if rates is None:
             return PlacementDecision(step, replicas, None, "too little measured yet")
-        candidates = self.candidates(rates)
+        candidates = self.corrected(self.candidates(rates), replicas, rates.length)
+        decision = self._model_decision(step, replicas, rates, candidates)
+        if decision.target is not None or step - self.last_change_step < self.settings.cooldown_steps:
+            return decision
+        trial = self.exploration(candidates, replicas, rates.length)
+        if trial is None:
+            return decision
+        return replace(
+            decision, target=trial.replicas,
+            reason=f"exploring {trial.replicas} replicas, never measured (predicted {trial.throughput:.3g} samples/s, "
+                   f"next to the best measured placement); {decision.reason}",
+        )
+
+    def _model_decision(self, step: int, replicas: int, rates: Rates, candidates: list[Candidate]) -> PlacementDecision:
+        """Steps 4 to 6 on the (step 7) candidates: move to the chosen placement, or stay and say why."""
+        settings = self.settings
         current = next(c for c in candidates if c.replicas == replicas)
         chosen = self.choose(candidates, replicas)
         saving = settings.horizon_steps * (current.step_s - chosen.step_s)
@@ -361,7 +466,7 @@ class PlacementPlanner:
             f"length of {self.predicted_length(rates):.0f} tokens, saves {saving:.1f}s over {settings.horizon_steps} steps "
             f"against a {self.transition_cost_s:.1f}s transition"
         )
-        reverses = chosen.replicas == self.left
+        reverses = chosen.replicas == self.left and not chosen.measured  # (a measured one is no prediction: step 7)
         if idle_side is not None and chosen.throughput > current.throughput and not reverses:
             return PlacementDecision(
                 step, replicas, chosen.replicas,

@@ -33,7 +33,10 @@ def test_reflow_with_the_adaptive_scheduler_logs_every_decision_and_loses_nothin
     for d in scored:
         assert set(d["planner_throughput"]) == {"1", "2", "3"}  # every feasible trainer placement on 4 ranks
         assert d["planner_production_tokens_per_rank_s"] > 0 and d["planner_consumption_tokens_per_replica_s"] > 0
-        if d["planner_target_replicas"] != d["planner_current_replicas"]:  # a move goes to a best-predicted placement
+        # a move goes to a best-predicted placement, or tries one never measured (the planner's step 8)
+        if d["planner_reason"].startswith("exploring"):
+            assert d["planner_target_replicas"] not in d["planner_measured"]
+        elif d["planner_target_replicas"] != d["planner_current_replicas"]:
             best = max(d["planner_throughput"].values())
             assert d["planner_throughput"][str(d["planner_target_replicas"])] >= (1 - 0.02) * best
     # a decision to move is carried out after that step, and the rows follow the placement

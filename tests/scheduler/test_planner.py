@@ -9,8 +9,10 @@ from reflow.scheduler.planner import Candidate, PlacementPlanner, PlannerSetting
 
 
 def planner(**overrides) -> PlacementPlanner:
+    """The model alone by default (steps 1-6): no placement but the current one measured, no exploration."""
     settings = dict(world_size=4, shard_degree=1, replica_options=(1, 2, 3), sigma=0.5, batch_size=16, cooldown_steps=4,
-                    margin=0.1, horizon_steps=4, transition_cost_s=2.0, ema=0.5, warmup_steps=0)
+                    margin=0.1, horizon_steps=4, transition_cost_s=2.0, ema=0.5, warmup_steps=0, memory_steps=1,
+                    explore_budget=0.0)
     settings.update(overrides)
     return PlacementPlanner(PlannerSettings(**settings))
 
@@ -201,3 +203,67 @@ def test_the_forced_schedule_keeps_no_state():
     schedule.load_state({})
     with pytest.raises(ValueError, match="placement.schedule"):
         schedule.load_state({"left": 1})
+
+
+def measured_world(trained_by_replicas: dict[int, int], arrived: int):
+    """Windows of a machine the model misjudges: a trainer that never waits trains ``trained_by_replicas[n]``
+    samples of 128 tokens in every 10 s window at n replicas (c = trained x 128 / 10 / n per replica, which the
+    model scales linearly), and a rollout rank makes ``arrived`` x 100 useful tokens per 10 busy seconds."""
+    def window(replicas: int, step: int) -> list[dict]:
+        return rows(trained=trained_by_replicas[replicas], wait=0.0, arrived=arrived, idle=0.0, first_step=step - 1)
+    return window
+
+
+def run(plan: PlacementPlanner, window, start: int, until: int, first: int = 4) -> list[tuple[int, int]]:
+    """Decide every 2 steps from step ``first`` at ``start`` replicas; returns the (step, replicas) of every move."""
+    replicas, moves = start, []
+    for step in range(first, until + 1, 2):
+        decision = plan.decide(step, replicas, window(replicas, step))
+        if decision.target is not None:
+            replicas = decision.target
+            moves.append((step, replicas))
+    return moves
+
+
+def test_a_measured_placement_overrules_the_model_and_the_move_back_needs_only_the_margin():
+    """The trainer-heavy CPU bench: 2 replicas train 170 samples a window, 3 only 120 and 1 150 (an all-reduce
+    and an optimizer step per replica on shared cores), where the model scales 2's rate to 3 x 8.5 = 25.5/s.
+    It moves to 3 (step 4), measures 3 at 1536 tokens/s against 2's 2176, and goes back at the first decision
+    after the cooldown (step 8) with the plain margin; it then tries 1 replica, the unmeasured neighbour (step
+    12), goes back again (step 16), and stays: every neighbour of the best is measured."""
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
+    world = measured_world({1: 150, 2: 170, 3: 120}, arrived=400)
+    assert run(plan, world, start=2, until=40) == [(4, 3), (8, 2), (12, 1), (16, 2)]
+    assert "exploring 1 replicas" in plan.decisions[4].reason
+    assert plan.measured_rate(3, length=100.0) == pytest.approx(120 * 128 / 10)
+    assert plan.measured_rate(3, length=151.0) is None  # answers half as long again: another workload
+    assert plan.decisions[-1].as_row()["planner_measured"] == [1, 2, 3]
+
+
+def test_exploration_finds_the_placement_the_model_puts_at_half():
+    """The rollout-heavy CPU bench: the model, at 2 replicas, predicts 1 at half of 2 (8.5 against 17
+    samples/s) and 3 at 12; measured, 1 trains 1.4x what 2 does and 3 0.97x. The planner tries 3 first (the
+    model's favourite neighbour, step 4), stays there (2 is measured only 3.7% better, within the margin), tries
+    1 (2's other neighbour, step 8), and keeps it."""
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
+    world = measured_world({1: 238, 2: 170, 3: 164}, arrived=60)
+    first = plan.decide(4, 2, world(2, 4))
+    assert {c.replicas: c.throughput for c in first.candidates} == pytest.approx({1: 8.5, 2: 17.0, 3: 12.0})
+    assert first.target == 3 and "exploring 3 replicas" in first.reason
+    assert run(plan, world, start=3, until=40, first=6) == [(8, 1)]
+    assert [d.target for d in plan.decisions[2:]] == [1] + [None] * 16
+
+
+def test_exploration_waits_for_a_measured_window_and_respects_its_budget_and_memory():
+    world = measured_world({1: 238, 2: 170, 3: 164}, arrived=60)
+    # two 2 s transitions are more than 10% of 20 predicted steps of 0.94 s: the model alone decides
+    costly = planner(horizon_steps=20, transition_cost_s=2.0, memory_steps=100, explore_budget=0.1)
+    assert run(costly, world, start=2, until=20) == []
+    # nothing measured in the window (its steps were warm-up): no trial
+    assert planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1,
+                   warmup_steps=10).decide(4, 2, world(2, 4)).target is None
+    # measurements older than memory_steps are forgotten, and the neighbours are tried again
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=12, explore_budget=0.1)
+    moves = run(plan, world, start=2, until=40)
+    assert moves[:2] == [(4, 3), (8, 1)] and len(moves) > 2
+    assert all(at > 40 - 12 for windows in plan.measured.values() for at, _, _, _ in windows)
