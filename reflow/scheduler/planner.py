@@ -360,7 +360,7 @@ class PlacementPlanner:
     def remember(self, window: WindowMeasurement, replicas: int, step: int, length: float) -> None:
         """Add the window (at smoothed response length ``length``) to the current placement's measurement and
         forget windows past ``memory_steps``."""
-        if window.steps and window.seconds > 0 and window.trained_tokens > 0:
+        if window.steps and window.seconds > 0 and window.trained_tokens > 0 and length > 0:
             self.measured.setdefault(replicas, []).append((step, window.trained_tokens, window.seconds, length))
         oldest = step - self.settings.memory_steps
         self.measured = {n: kept for n, windows in self.measured.items() if (kept := [w for w in windows if w[0] > oldest])}
@@ -368,6 +368,8 @@ class PlacementPlanner:
     def measured_rate(self, replicas: int, length: float) -> float | None:
         """Trained tokens per second over the placement's remembered windows of the same workload as a smoothed
         response length of ``length`` (None: not measured on it)."""
+        if length <= 0:
+            return None
         same = [w for w in self.measured.get(replicas, []) if max(w[3] / length, length / w[3]) <= SAME_WORKLOAD]
         seconds = sum(w[2] for w in same)
         return sum(w[1] for w in same) / seconds if seconds > 0 else None

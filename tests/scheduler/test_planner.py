@@ -267,3 +267,10 @@ def test_exploration_waits_for_a_measured_window_and_respects_its_budget_and_mem
     moves = run(plan, world, start=2, until=40)
     assert moves[:2] == [(4, 3), (8, 1)] and len(moves) > 2
     assert all(at > 40 - 12 for windows in plan.measured.values() for at, _, _, _ in windows)
+
+
+def test_a_window_with_no_length_is_not_a_measurement():
+    """Nothing arrived (length 0): the window is not remembered, and no length divides by zero."""
+    plan = planner(memory_steps=100, explore_budget=0.1)
+    assert plan.decide(4, 2, rows(arrived=0)).target is None
+    assert plan.measured == {} and plan.measured_rate(2, length=0.0) is None
