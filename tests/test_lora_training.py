@@ -5,17 +5,16 @@ with the merged policy and a peft adapter folder."""
 
 import json
 import os
-import tomllib
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_torchrun
+from reflow.config import ConfigManager
+from tests.conftest import ROOT, run_torchrun
 
 TINY_LAYERS, RANK = 4, 16
-with open(os.path.join(os.path.dirname(__file__), "..", "train_configs", "tiny_lora.toml"), "rb") as _f:
-    CONFIG = tomllib.load(_f)
+CONFIG = ConfigManager().parse_args(["--config", os.path.join(ROOT, "train_configs", "tiny_lora.toml")])
 TINY = {"dim": 128, "q": 128, "kv": 64, "hidden": 384}
 ADAPTER_NUMEL = TINY_LAYERS * RANK * (
     (TINY["dim"] + TINY["q"]) * 2  # q_proj, o_proj
@@ -45,8 +44,8 @@ def test_lora_trains_with_adapter_syncs(tmp_path, mode):
         # async and one_step_off waste nothing; reflow's default window may let the b sigma latest-deadline
         # samples of a step that replayed its full share outlive delta (docs/decoupled_protocol.md), and did:
         # 16 of them at step 6 in two of three runs
-        batch = CONFIG["training"]["prompts_per_step"] * CONFIG["training"]["group_size"]
-        worst = batch * CONFIG["replay"]["sigma"] if mode == "reflow" else 0
+        batch = CONFIG.training.prompts_per_step * CONFIG.training.group_size
+        worst = batch * CONFIG.replay.sigma if mode == "reflow" else 0
         assert all(r["evicted_at_sync"] <= worst for r in rows), [r["evicted_at_sync"] for r in rows]
         assert all(r["staleness_max"] <= 1 for r in rows)
     # the merged policy, and the adapters in peft format (2 r (in + out) numbers per adapted projection: what

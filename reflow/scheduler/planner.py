@@ -50,7 +50,7 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    goes back. (The CPU bench's rollout-heavy workload measured 1 replica 1.4x 2, which the model put at 0.5x.)
    Steps 7 and 8 are opt-in (``planner_memory_steps``, ``planner_explore_budget``): on the live CPU bench the
    smoothed length of the rollout-heavy workload swings between 5 and 32 tokens, so measurements keep leaving
-   the same workload, and with the idle waiver the run moved 15 times in 260 steps (0.735x the best static
+   the same workload, and with the idle waiver the run moved 15 times in 258 steps (0.735x the best static
    split, against 0.724x for the model alone); in the simulator, whose world the model matches, trials during
    a drift cost more than they found.
 """
@@ -396,12 +396,12 @@ class PlacementPlanner:
     def exploration(self, candidates: list[Candidate], replicas: int, length: float) -> Candidate | None:
         """Step 8: the unmeasured neighbour of the best measured placement to try now, or None."""
         settings = self.settings
-        rates = {n: rate for n in settings.replica_options if (rate := self.measured_rate(n, length)) is not None}
-        if settings.explore_budget <= 0 or replicas not in rates:
+        measured = {n: rate for n in settings.replica_options if (rate := self.measured_rate(n, length)) is not None}
+        if settings.explore_budget <= 0 or replicas not in measured:
             return None
         options = sorted(settings.replica_options)
-        at = options.index(max(rates, key=rates.__getitem__))
-        neighbours = {options[j] for j in (at - 1, at + 1) if 0 <= j < len(options) and options[j] not in rates}
+        at = options.index(max(measured, key=measured.__getitem__))
+        neighbours = {options[j] for j in (at - 1, at + 1) if 0 <= j < len(options) and options[j] not in measured}
         by_replicas = {c.replicas: c for c in candidates}
         horizon_s = settings.horizon_steps * by_replicas[replicas].step_s
         if not neighbours or 2 * self.transition_cost_s > settings.explore_budget * horizon_s:

@@ -9,10 +9,9 @@ from reflow.scheduler.planner import Candidate, PlacementPlanner, PlannerSetting
 
 
 def planner(**overrides) -> PlacementPlanner:
-    """The model alone by default (steps 1-6): no placement but the current one measured, no exploration."""
+    """Steps 7 and 8 off unless overridden (their defaults): the model alone decides."""
     settings = dict(world_size=4, shard_degree=1, replica_options=(1, 2, 3), sigma=0.5, batch_size=16, cooldown_steps=4,
-                    margin=0.1, horizon_steps=4, transition_cost_s=2.0, ema=0.5, warmup_steps=0, memory_steps=1,
-                    explore_budget=0.0)
+                    margin=0.1, horizon_steps=4, transition_cost_s=2.0, ema=0.5, warmup_steps=0)
     settings.update(overrides)
     return PlacementPlanner(PlannerSettings(**settings))
 
