@@ -549,8 +549,10 @@ class SchedulerSection:
     regardless of the margin and the transition cost."""
     idle_windows: int = limited(2, ge=1)
     planner_memory_steps: int = limited(0, ge=0)
-    """Placement planner: steps a placement's measured throughput stays valid and overrules the model's
-    prediction for it (0: off, the model alone decides)."""
+    """Placement planner: steps a placement's own measured rates (production per rollout rank-second,
+    consumption per replica-second) stay valid after its last window; a placement with rates of its own is
+    predicted from them, not scaled linearly from another's (0: off, every placement from the rates of all
+    windows)."""
     planner_explore_budget: float = limited(0.0, ge=0)
     """Placement planner: a placement never measured, next to the best measured one, is tried while two
     transitions cost at most this fraction of the horizon's predicted seconds (0: only the placements the

@@ -34,25 +34,23 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    waiver: that placement was left on measured rates, and the side that now idles is what the trade was
    expected to cost, not new evidence (the live tiny_adaptive run went 2 -> 1 on an idle trainer and
    1 -> 2 on idle rollout ranks six steps later).
-7. Measured beats modeled. The model scales a trainer replica's rate and a rollout rank's rate linearly, which
-   a real machine need not do: a replica added to a small model's trainer adds a gradient all-reduce and its
-   own optimizer step, and ranks may share hosts, links or cores. So every placement the run has stood in keeps
-   its measured throughput (trained tokens per second, waits included: what a user gets), summed over its
-   windows of the last ``memory_steps`` steps whose smoothed response length was within ``SAME_WORKLOAD`` of
-   today's (the same workload). Each candidate's throughput is then taken relative to the
-   current placement's: measured over measured where both were measured, else the model's ratio. A move
-   between measured placements is a measurement, not a prediction, so step 6's double margin does not apply
-   to it. (On the 4-rank CPU placement bench the model alone took 3 replicas where 3 measured 0.72x of 2.)
-8. Explore. A model that is wrong about a placement it never tried is never corrected, so once the best
-   measured placement has a full window, its unmeasured neighbours (one replica more or fewer) are tried
-   in turn, the model's favourite first, after the cooldown, while two transitions cost at most
-   ``explore_budget`` of the horizon's predicted time. The trial lasts the cooldown; step 7 then keeps it or
-   goes back. (The CPU bench's rollout-heavy workload measured 1 replica 1.4x 2, which the model put at 0.5x.)
-   Steps 7 and 8 are opt-in (``planner_memory_steps``, ``planner_explore_budget``): on the live CPU bench the
-   smoothed length of the rollout-heavy workload swings between 5 and 32 tokens, so measurements keep leaving
-   the same workload, and with the idle waiver the run moved 15 times in 258 steps (0.735x the best static
-   split, against 0.724x for the model alone); in the simulator, whose world the model matches, trials during
-   a drift cost more than they found.
+7. Each placement its own rates. The model scales a trainer replica's rate and a rollout rank's rate linearly,
+   which a real machine need not do: a replica added to a small model's trainer adds a gradient all-reduce and
+   its own optimizer step, and ranks may share hosts, links or cores (on the 4-rank CPU placement bench one
+   replica trains 2.6x the tokens per replica-second that each of two does). So p and c are also smoothed
+   per placement, over the windows the run stood in it, and forgotten ``memory_steps`` steps after its last
+   window. A candidate the run has measured is predicted from its own p and c; one it has not, from the
+   current placement's (the linear model). Rates are per token, so a placement measured on shorter answers
+   still predicts today's length through step 3 (an earlier design compared measured tokens/s, which the
+   rollout-heavy bench's swinging length, 5 to 32 tokens smoothed, kept declaring another workload). A move
+   between measured placements is a measurement, not a prediction, so step 6's double margin does not apply.
+8. Explore. A model that is wrong about a placement it never tried is never corrected, so once the current
+   placement has a full window, the unmeasured neighbours (one replica more or fewer) of the best measured
+   placement are tried in turn, the model's favourite first, after the cooldown, while two transitions cost
+   at most ``explore_budget`` of the horizon's predicted time. The trial lasts the cooldown; step 7 then
+   keeps it or goes back. (The CPU bench's rollout-heavy workload measured 1 replica 1.4x 2, which the model
+   put at 0.5x.)
+   Steps 7 and 8 are opt-in (``planner_memory_steps``, ``planner_explore_budget``).
 """
 
 from __future__ import annotations
@@ -61,9 +59,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 TIE = 0.02
 """Candidates whose predicted throughput is within this fraction of the best are tied (step 4)."""
-SAME_WORKLOAD = 1.5
-"""Step 7 compares measurements made at smoothed response lengths within this factor of today's: a placement
-measured on answers 8x shorter says nothing about it now (the simulator's drifting workload)."""
 
 
 def least_squares_slope(points: list[tuple[int, float]]) -> float:
@@ -97,7 +92,8 @@ class PlannerSettings:
     idle_threshold: float = 0.3
     idle_windows: int = 2
     memory_steps: int = 0
-    """Steps a placement's measured throughput stays valid (step 7; 0, the default: off, the model alone)."""
+    """Steps a placement's own rates stay valid after its last window (step 7; 0, the default: off, every
+    placement is predicted from the smoothed rates of all windows)."""
     explore_budget: float = 0.0
     """Step 8 tries an unmeasured neighbour while two transitions cost at most this fraction of the horizon's
     predicted seconds (0, the default: never)."""
@@ -192,6 +188,18 @@ class Rates:
 
 
 @dataclass(frozen=True)
+class PlacementRates:
+    """Step 7: p and c smoothed over the windows the run stood in one placement."""
+
+    production: float
+    """Useful response tokens per rollout rank-second."""
+    consumption: float
+    """Trained tokens per trainer replica-second."""
+    step: int
+    """The decision step of its newest window."""
+
+
+@dataclass(frozen=True)
 class Candidate:
     replicas: int
     rollout_ranks: int
@@ -206,7 +214,7 @@ class Candidate:
     step_s: float
     """Predicted seconds per trainer step."""
     measured: bool = False
-    """Throughput and step_s come from this placement's measurement (step 7), not from the model alone."""
+    """Predicted from this placement's own measured rates (step 7), not extrapolated from another's."""
 
     def in_band(self, sigma: float) -> bool:
         return 1.0 - sigma <= self.coverage <= 1.0
@@ -264,8 +272,7 @@ class PlacementPlanner:
         self.smoothed: Rates | None = None
         self.lengths: list[tuple[int, float]] = []  # (step, mean length) of the windows in the trend's span
         self.idle_streak = {"trainer": 0, "rollout": 0}
-        # replicas -> its windows' (step, trained tokens, seconds, smoothed response length)
-        self.measured: dict[int, list[tuple[int, float, float, float]]] = {}
+        self.by_placement: dict[int, PlacementRates] = {}  # replicas -> its own smoothed rates (step 7)
         self.decisions: list[PlacementDecision] = []
 
     # ---- memory between decisions (checkpointed) ----------------------------------------
@@ -281,7 +288,7 @@ class PlacementPlanner:
             "last_change_step": self.last_change_step,
             "left": self.left,
             "transition_cost_s": self.transition_cost_s,
-            "measured": {str(n): [list(w) for w in windows] for n, windows in self.measured.items()},
+            "by_placement": {str(n): asdict(own) for n, own in self.by_placement.items()},
         }
 
     def load_state(self, state: dict) -> None:
@@ -291,9 +298,8 @@ class PlacementPlanner:
         self.last_change_step = int(state["last_change_step"])
         self.left = None if state["left"] is None else int(state["left"])
         self.transition_cost_s = float(state["transition_cost_s"])
-        self.measured = {  # (absent from a checkpoint written before step 7: nothing measured)
-            int(n): [(int(at), float(tokens), float(seconds), float(length)) for at, tokens, seconds, length in windows]
-            for n, windows in state.get("measured", {}).items()
+        self.by_placement = {  # (absent from a checkpoint written before step 7: nothing measured)
+            int(n): PlacementRates(**own) for n, own in state.get("by_placement", {}).items()
         }
 
     # ---- steps 1 and 2 -------------------------------------------------------------------
@@ -315,6 +321,7 @@ class PlacementPlanner:
         if measured is None:
             return self.smoothed
         production, consumption, prompt = measured
+        self.remember(replicas, step, production, consumption)
         self.lengths = [(at, length) for at, length in self.lengths if at > step - self.settings.horizon_steps]
         self.lengths.append((step, window.length_mean))
         trend = least_squares_slope(self.lengths)
@@ -335,19 +342,25 @@ class PlacementPlanner:
         ahead = rates.length + rates.length_trend * self.settings.horizon_steps / 2
         return max(1.0, rates.length / 2, min(2 * rates.length, ahead))
 
-    def candidates(self, rates: Rates) -> list[Candidate]:
+    def candidates(self, rates: Rates, current: int) -> list[Candidate]:
+        """Every feasible placement's prediction at the horizon's length, from its own measured rates where the
+        run has them (step 7), else from the current placement's, else from the smoothed rates of all windows."""
         settings = self.settings
         fresh_share = 1.0 - settings.sigma
         length = self.predicted_length(rates)
+        here = self.by_placement.get(current)
         out = []
         for replicas in settings.replica_options:
+            own = self.by_placement.get(replicas)
+            source = own or here or rates
             rollout = settings.world_size - replicas * settings.shard_degree
-            production = rates.production * rollout / length
-            consumption = rates.consumption * replicas / (rates.prompt_tokens + length)
+            production = source.production * rollout / length
+            consumption = source.consumption * replicas / (rates.prompt_tokens + length)
             throughput = min(consumption, production / fresh_share)
             coverage = production / consumption if consumption > 0 else float("inf")
             step_s = settings.batch_size / throughput if throughput > 0 else float("inf")
-            out.append(Candidate(replicas, rollout, production, consumption, throughput, coverage, step_s))
+            out.append(Candidate(replicas, rollout, production, consumption, throughput, coverage, step_s,
+                                 measured=own is not None))
         return out
 
     def choose(self, candidates: list[Candidate], replicas: int) -> Candidate:
@@ -357,50 +370,30 @@ class PlacementPlanner:
 
     # ---- steps 7 and 8 ---------------------------------------------------------------------
 
-    def remember(self, window: WindowMeasurement, replicas: int, step: int, length: float) -> None:
-        """Add the window (at smoothed response length ``length``) to the current placement's measurement and
-        forget windows past ``memory_steps``."""
-        if window.steps and window.seconds > 0 and window.trained_tokens > 0 and length > 0:
-            self.measured.setdefault(replicas, []).append((step, window.trained_tokens, window.seconds, length))
+    def remember(self, replicas: int, step: int, production: float, consumption: float) -> None:
+        """Blend one window's p and c into the current placement's own rates (step 7; off at memory_steps 0)."""
+        if self.settings.memory_steps <= 0:
+            return
+        old, weight = self.by_placement.get(replicas), self.settings.ema
+        if old is not None:
+            production = (1 - weight) * old.production + weight * production
+            consumption = (1 - weight) * old.consumption + weight * consumption
+        self.by_placement[replicas] = PlacementRates(production, consumption, step)
+
+    def forget(self, step: int) -> None:
+        """Drop the rates of placements whose newest window is ``memory_steps`` or more steps old: the workload
+        may have drifted since."""
         oldest = step - self.settings.memory_steps
-        self.measured = {n: kept for n, windows in self.measured.items() if (kept := [w for w in windows if w[0] > oldest])}
+        self.by_placement = {n: own for n, own in self.by_placement.items() if own.step > oldest}
 
-    def measured_rate(self, replicas: int, length: float) -> float | None:
-        """Trained tokens per second over the placement's remembered windows of the same workload as a smoothed
-        response length of ``length`` (None: not measured on it)."""
-        if length <= 0:
-            return None
-        same = [w for w in self.measured.get(replicas, []) if max(w[3] / length, length / w[3]) <= SAME_WORKLOAD]
-        seconds = sum(w[2] for w in same)
-        return sum(w[1] for w in same) / seconds if seconds > 0 else None
-
-    def corrected(self, model: list[Candidate], replicas: int, length: float) -> list[Candidate]:
-        """Step 7: a measured candidate's throughput is the current one's times the ratio of their measurements."""
-        here = self.measured_rate(replicas, length)
-        current = next(c for c in model if c.replicas == replicas)
-        if here is None or current.throughput <= 0:
-            return model
-        out = []
-        for c in model:
-            there = self.measured_rate(c.replicas, length)
-            if there is None:
-                out.append(c)
-                continue
-            throughput = current.throughput * there / here
-            out.append(replace(
-                c, throughput=throughput, step_s=self.settings.batch_size / throughput if throughput > 0 else float("inf"),
-                measured=True,
-            ))
-        return out
-
-    def exploration(self, candidates: list[Candidate], replicas: int, length: float) -> Candidate | None:
+    def exploration(self, candidates: list[Candidate], replicas: int) -> Candidate | None:
         """Step 8: the unmeasured neighbour of the best measured placement to try now, or None."""
         settings = self.settings
-        measured = {n: rate for n in settings.replica_options if (rate := self.measured_rate(n, length)) is not None}
+        measured = {c.replicas: c for c in candidates if c.measured}
         if settings.explore_budget <= 0 or replicas not in measured:
             return None
         options = sorted(settings.replica_options)
-        at = options.index(max(measured, key=measured.__getitem__))
+        at = options.index(max(measured.values(), key=lambda c: c.throughput).replicas)
         neighbours = {options[j] for j in (at - 1, at + 1) if 0 <= j < len(options) and options[j] not in measured}
         by_replicas = {c.replicas: c for c in candidates}
         horizon_s = settings.horizon_steps * by_replicas[replicas].step_s
@@ -426,15 +419,15 @@ class PlacementPlanner:
         if window.steps:
             for side, idle in (("trainer", window.trainer_idle), ("rollout", window.rollout_idle)):
                 self.idle_streak[side] = self.idle_streak[side] + 1 if idle > settings.idle_threshold else 0
+        self.forget(step)
         rates = self.observe(window, replicas, step)
-        self.remember(window, replicas, step, rates.length if rates is not None else window.length_mean)
         if rates is None:
             return PlacementDecision(step, replicas, None, "too little measured yet")
-        candidates = self.corrected(self.candidates(rates), replicas, rates.length)
+        candidates = self.candidates(rates, replicas)
         decision = self._model_decision(step, replicas, rates, candidates)
         if decision.target is not None or step - self.last_change_step < self.settings.cooldown_steps:
             return decision
-        trial = self.exploration(candidates, replicas, rates.length)
+        trial = self.exploration(candidates, replicas)
         if trial is None:
             return decision
         return replace(

@@ -100,12 +100,12 @@ def test_the_idle_override_never_takes_a_placement_predicted_slower():
     plan = planner(margin=0.0, idle_windows=1, cooldown_steps=0)
     current = Candidate(3, 1, production=20.0, consumption=10.0, throughput=10.0, coverage=2.0, step_s=1.6)
     slower_in_band = Candidate(2, 2, production=7.0, consumption=10.1, throughput=9.9, coverage=0.69, step_s=1.62)
-    plan.candidates = lambda rates: [current, slower_in_band]
+    plan.candidates = lambda rates, replicas: [current, slower_in_band]
     decision = plan.decide(4, 3, rows(trained=96))  # the trainer waits half of every step
     assert plan.idle_streak["trainer"] == 1 and plan.choose([current, slower_in_band], 3) is slower_in_band
     assert decision.target is None and "margin" in decision.reason
     faster_in_band = Candidate(2, 2, production=7.0, consumption=10.5, throughput=10.1, coverage=0.67, step_s=1.58)
-    plan.candidates = lambda rates: [current, faster_in_band]
+    plan.candidates = lambda rates, replicas: [current, faster_in_band]
     decision = plan.decide(6, 3, rows(trained=96, first_step=5))
     assert decision.target == 2 and "trainer side idled" in decision.reason
 
@@ -160,19 +160,20 @@ def test_a_move_back_needs_twice_the_margin_and_no_idle_waiver():
     predicted 15% faster: beyond the 10% margin, not beyond twice it, so the run stays, idle or not; at 25%
     it moves back. A move to a third placement needs only the margin."""
     plan = planner(margin=0.1, idle_windows=1, cooldown_steps=0, transition_cost_s=0.0)
-    plan.candidates = lambda rates: [Candidate(1, 3, 30.0, 10.0, 10.0, 3.0, 1.6), Candidate(2, 2, 20.0, 5.0, 5.0, 4.0, 3.2)]
+    plan.candidates = lambda rates, replicas: [
+        Candidate(1, 3, 30.0, 10.0, 10.0, 3.0, 1.6), Candidate(2, 2, 20.0, 5.0, 5.0, 4.0, 3.2)]
     assert plan.decide(4, 2, rows()).target == 1 and plan.left == 2
     here = Candidate(1, 3, production=30.0, consumption=5.0, throughput=5.0, coverage=6.0, step_s=3.2)
-    plan.candidates = lambda rates: [here, Candidate(2, 2, 20.0, 5.75, 5.75, 3.5, 16 / 5.75)]
+    plan.candidates = lambda rates, replicas: [here, Candidate(2, 2, 20.0, 5.75, 5.75, 3.5, 16 / 5.75)]
     held = plan.decide(6, 1, rows(idle=10.0, first_step=5))  # rollout idle 0.5 > 0.3 for a window
     assert plan.idle_streak["rollout"] == 1 and held.target is None and "twice the margin" in held.reason
     elsewhere = Candidate(3, 1, 10.0, 5.75, 5.75, 1.7, 16 / 5.75)  # the same 15%, to a placement not just left
-    plan.candidates = lambda rates: [here, elsewhere]
+    plan.candidates = lambda rates, replicas: [here, elsewhere]
     assert plan.decide(8, 1, rows(first_step=7)).target == 3 and plan.left == 1
     there = Candidate(3, 1, 10.0, 5.0, 5.0, 2.0, 3.2)
-    plan.candidates = lambda rates: [Candidate(1, 3, 30.0, 5.75, 5.75, 5.2, 16 / 5.75), there]
+    plan.candidates = lambda rates, replicas: [Candidate(1, 3, 30.0, 5.75, 5.75, 5.2, 16 / 5.75), there]
     assert plan.decide(10, 3, rows(first_step=9)).target is None  # 15% back to 1: held
-    plan.candidates = lambda rates: [Candidate(1, 3, 30.0, 6.25, 6.25, 4.8, 16 / 6.25), there]
+    plan.candidates = lambda rates, replicas: [Candidate(1, 3, 30.0, 6.25, 6.25, 4.8, 16 / 6.25), there]
     back = plan.decide(12, 3, rows(first_step=11))
     assert back.target == 1 and "twice the margin" in back.reason
 
@@ -224,52 +225,81 @@ def run(plan: PlacementPlanner, window, start: int, until: int, first: int = 4) 
     return moves
 
 
-def test_a_measured_placement_overrules_the_model_and_the_move_back_needs_only_the_margin():
+def test_a_placement_measured_slower_per_replica_overrules_the_model_and_the_move_back_needs_only_the_margin():
     """The trainer-heavy CPU bench: 2 replicas train 170 samples a window, 3 only 120 and 1 150 (an all-reduce
     and an optimizer step per replica on shared cores), where the model scales 2's rate to 3 x 8.5 = 25.5/s.
-    It moves to 3 (step 4), measures 3 at 1536 tokens/s against 2's 2176, and goes back at the first decision
-    after the cooldown (step 8) with the plain margin; it then tries 1 replica, the unmeasured neighbour (step
-    12), goes back again (step 16), and stays: every neighbour of the best is measured."""
+    It moves to 3 (step 4), measures 3's own c (120 x 128 / 10 / 3 = 512 tokens per replica-second against
+    2's 1088), and goes back at the first decision after the cooldown (step 8) with the plain margin; it then
+    tries 1 replica, the unmeasured neighbour (step 12), goes back again (step 16), and stays: every neighbour
+    of the best is measured."""
     plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
     world = measured_world({1: 150, 2: 170, 3: 120}, arrived=400)
     assert run(plan, world, start=2, until=40) == [(4, 3), (8, 2), (12, 1), (16, 2)]
     assert "exploring 1 replicas" in plan.decisions[4].reason
-    assert plan.measured_rate(3, length=100.0) == pytest.approx(120 * 128 / 10)
-    assert plan.measured_rate(3, length=151.0) is None  # answers half as long again: another workload
-    assert plan.decisions[-1].as_row()["planner_measured"] == [1, 2, 3]
+    assert plan.by_placement[3].consumption == pytest.approx(120 * 128 / 10 / 3)
+    assert plan.by_placement[1].consumption == pytest.approx(150 * 128 / 10)
+    final = plan.decisions[-1]
+    assert {c.replicas: c.throughput for c in final.candidates} == pytest.approx({1: 15.0, 2: 17.0, 3: 12.0})
+    assert final.as_row()["planner_measured"] == [1, 2, 3]
+
+
+def test_own_rates_are_per_token_so_a_placement_measured_on_other_lengths_still_predicts():
+    """A placement's rates measured on 100-token answers predict it on 200-token ones through the length (step
+    3): 3 replicas measured at c = 512 tokens per replica-second, asked at length 200 (prompt 28), consume
+    3 x 512 / 228 = 6.74 samples/s, not a figure from another workload."""
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100)
+    world = measured_world({1: 150, 2: 170, 3: 120}, arrived=400)
+    plan.decide(4, 3, world(3, 4))
+    longer = rows(trained=20, wait=0.0, arrived=400, idle=0.0, length=200.0, first_step=5)
+    decision = plan.decide(6, 3, longer)
+    own = plan.by_placement[3]
+    length = plan.predicted_length(decision.rates)
+    by_replicas = {c.replicas: c for c in decision.candidates}
+    assert by_replicas[3].consumption == pytest.approx(3 * own.consumption / (decision.rates.prompt_tokens + length))
+    assert by_replicas[3].measured and not by_replicas[2].measured
 
 
 def test_exploration_finds_the_placement_the_model_puts_at_half():
     """The rollout-heavy CPU bench: the model, at 2 replicas, predicts 1 at half of 2 (8.5 against 17
-    samples/s) and 3 at 12; measured, 1 trains 1.4x what 2 does and 3 0.97x. The planner tries 3 first (the
-    model's favourite neighbour, step 4), stays there (2 is measured only 3.7% better, within the margin), tries
-    1 (2's other neighbour, step 8), and keeps it."""
+    samples/s) and 3 at 12; measured, 1 trains 1.4x what 2 does, and 3, fed by one rollout rank, 12/s. The
+    planner tries 3 first (the model's favourite neighbour, step 4), goes back to 2 (measured 1.4x 3, step 8),
+    tries 1 (2's other neighbour, step 12), and keeps it."""
     plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
-    world = measured_world({1: 238, 2: 170, 3: 164}, arrived=60)
+    world = measured_world({1: 238, 2: 170, 3: 120}, arrived=60)
     first = plan.decide(4, 2, world(2, 4))
     assert {c.replicas: c.throughput for c in first.candidates} == pytest.approx({1: 8.5, 2: 17.0, 3: 12.0})
     assert first.target == 3 and "exploring 3 replicas" in first.reason
-    assert run(plan, world, start=3, until=40, first=6) == [(8, 1)]
-    assert [d.target for d in plan.decisions[2:]] == [1] + [None] * 16
+    assert run(plan, world, start=3, until=40, first=6) == [(8, 2), (12, 1)]
+    assert [d.target for d in plan.decisions[4:]] == [1] + [None] * 14
+    assert {c.replicas: c.throughput for c in plan.decisions[-1].candidates} == pytest.approx({1: 23.8, 2: 17.0, 3: 12.0})
 
 
 def test_exploration_waits_for_a_measured_window_and_respects_its_budget_and_memory():
-    world = measured_world({1: 238, 2: 170, 3: 164}, arrived=60)
+    world = measured_world({1: 238, 2: 170, 3: 120}, arrived=60)
     # two 2 s transitions are more than 10% of 20 predicted steps of 0.94 s: the model alone decides
     costly = planner(horizon_steps=20, transition_cost_s=2.0, memory_steps=100, explore_budget=0.1)
     assert run(costly, world, start=2, until=20) == []
     # nothing measured in the window (its steps were warm-up): no trial
     assert planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1,
                    warmup_steps=10).decide(4, 2, world(2, 4)).target is None
-    # measurements older than memory_steps are forgotten, and the neighbours are tried again
+    # rates older than memory_steps are forgotten, and the neighbours are tried again
     plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=12, explore_budget=0.1)
     moves = run(plan, world, start=2, until=40)
-    assert moves[:2] == [(4, 3), (8, 1)] and len(moves) > 2
-    assert all(at > 40 - 12 for windows in plan.measured.values() for at, _, _, _ in windows)
+    assert moves[:3] == [(4, 3), (8, 2), (12, 1)] and len(moves) > 3
+    assert all(own.step > 40 - 12 for own in plan.by_placement.values())
 
 
 def test_a_window_with_no_length_is_not_a_measurement():
-    """Nothing arrived (length 0): the window is not remembered, and no length divides by zero."""
+    """Nothing arrived (length 0): no placement's rates are kept, and no length divides by zero."""
     plan = planner(memory_steps=100, explore_budget=0.1)
     assert plan.decide(4, 2, rows(arrived=0)).target is None
-    assert plan.measured == {} and plan.measured_rate(2, length=0.0) is None
+    assert plan.by_placement == {}
+
+
+def test_own_rates_survive_a_checkpoint():
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
+    world = measured_world({1: 150, 2: 170, 3: 120}, arrived=400)
+    run(plan, world, start=2, until=10)
+    again = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
+    again.load_state(pickle.loads(pickle.dumps(plan.state())))
+    assert again.by_placement == plan.by_placement and again.state() == plan.state()
