@@ -63,7 +63,7 @@ from reflow.replay.buffer import BatchPlan
 from reflow.rollout.admission import AdmissionGate
 from reflow.rollout.request import Request
 from reflow.rollout.turns import TurnDriver
-from reflow.scheduler import DispatchBudget, PlacementPlanner, PlannerSettings
+from reflow.scheduler import DispatchBudget, build_controller
 from reflow.sim.engine import SimEngine, SimTrajectory
 from reflow.sim.profiles import CostProfile
 from reflow.sim.workload import Workload
@@ -102,10 +102,15 @@ class SimConfig:
     adaptive_placement: bool = False
     rho: float = 0.9
     response_percentile: float = 0.9
-    cooldown_steps: int = 4
-    margin: float = 0.1
-    horizon_steps: int = 20
+    cooldown_steps: int = SchedulerSection.cooldown_steps
+    margin: float = SchedulerSection.margin
+    horizon_steps: int = SchedulerSection.horizon_steps
     warmup_steps: int = 3
+    """Steps left out of the summary and of the planner's measurements."""
+    planner_memory_steps: int = SchedulerSection.planner_memory_steps
+    """Each placement's own rates (the planner's step 7), as live."""
+    planner_explore_budget: float = SchedulerSection.planner_explore_budget
+    """Trials of unmeasured placements (the planner's step 8), as live."""
     strict_window: bool = False
     """replay.strict_window: reflow's narrower window (nothing outlives its bound unused)."""
     dynamic_sampling: bool = False
@@ -135,7 +140,10 @@ class SimConfig:
             rollout=RolloutSection(b_max=self.b_max, max_num_seqs=profile.max_num_seqs, max_new_tokens=workload.max_tokens),
             scheduler=SchedulerSection(
                 adaptive_concurrency=self.adaptive_concurrency, kv_admission=self.kv_admission, rho=self.rho,
-                response_percentile=self.response_percentile,
+                response_percentile=self.response_percentile, adaptive_placement=self.adaptive_placement,
+                cooldown_steps=self.cooldown_steps, margin=self.margin, horizon_steps=self.horizon_steps,
+                transition_cost_s=profile.transition_s, planner_warmup_steps=self.warmup_steps,
+                planner_memory_steps=self.planner_memory_steps, planner_explore_budget=self.planner_explore_budget,
             ),
         )
 
@@ -451,14 +459,9 @@ class DecoupledSim:
         self.received_tokens = 0  # and their response tokens
         self.latencies: list[float] = []  # admission-to-finish seconds of the samples finished this step
         self._sent_seen: list[int] = []  # per worker: its ledger's "sent" entries already counted
-        self.planner = (
-            PlacementPlanner(PlannerSettings(
-                world_size=cfg.gpus, shard_degree=cfg.shard_degree,
-                replica_options=tuple(range(1, (cfg.gpus - 1) // cfg.shard_degree + 1)), sigma=self.settings.sigma,
-                batch_size=cfg.batch, cooldown_steps=cfg.cooldown_steps, margin=cfg.margin, horizon_steps=cfg.horizon_steps,
-                transition_cost_s=profile.transition_s, warmup_steps=cfg.warmup_steps,
-            ))
-            if cfg.adaptive_placement else None
+        self.planner = build_controller(  # the live run's planner, from the same [scheduler] section
+            [], s.scheduler, cfg.gpus, cfg.shard_degree, tuple(range(1, (cfg.gpus - 1) // cfg.shard_degree + 1)),
+            self.settings.sigma, cfg.batch,
         )
         self.leader = Leader(self.control, cfg.group_size, self.planner)
         self.runnable: list[tuple[float, int]] = []  # lazy heap of (engine clock, worker index): ``_tick_earliest``

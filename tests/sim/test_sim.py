@@ -120,6 +120,24 @@ def test_the_planner_moves_ranks_toward_the_bottleneck_and_says_why():
     assert _replicas(result["timeline"][-1]["placement"]) > 1
 
 
+def test_the_simulated_planner_is_the_live_one_built_from_the_same_scheduler_section():
+    """The simulator builds its planner as the live run does (``build_controller`` on a ``[scheduler]``
+    section): the live section's defaults, the profile's transition cost, steps 7 and 8 when asked for."""
+    from reflow.config.job_config import SchedulerSection
+    from reflow.sim.system import DecoupledSim
+
+    cfg = SimConfig(mode="reflow", gpus=8, prompts_per_step=16, group_size=4, steps=2, replicas=2,
+                    adaptive_placement=True, planner_memory_steps=60, planner_explore_budget=0.1)
+    settings = DecoupledSim(cfg, PROFILE, WORKLOAD).planner.settings
+    live = SchedulerSection()
+    assert (settings.cooldown_steps, settings.margin, settings.horizon_steps, settings.ema) == (
+        live.cooldown_steps, live.margin, live.horizon_steps, live.planner_ema)
+    assert (settings.memory_steps, settings.explore_budget) == (60, 0.1)
+    assert settings.transition_cost_s == PROFILE.transition_s and settings.warmup_steps == cfg.warmup_steps
+    assert settings.replica_options == tuple(range(1, 8)) and settings.batch_size == 64
+    assert DecoupledSim(dataclasses.replace(cfg, adaptive_placement=False), PROFILE, WORKLOAD).planner is None
+
+
 @pytest.mark.parametrize("logs_sampled", [True, False], ids=["sampled-tokens", "older-run"])
 def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path, logs_sampled):
     """The engine's cost per sampled token comes from rollout_sampled_tokens (the running sequences), not from
