@@ -93,7 +93,7 @@ def test_a_kv_cache_too_small_for_one_request_of_max_model_len():
     with pytest.raises(ConfigError, match="rollout.num_kv_blocks"):
         validate(m.parse_args([*args, "--rollout.num_kv_blocks=8"]), m.where)  # 224 tokens
     validate(m.parse_args([*args, "--rollout.num_kv_blocks=9"]), m.where)  # 256: exactly one request
-    validate(m.parse_args(["--config", "train_configs/bench_rollout_bound.toml"]), m.where)  # 10 blocks, 288 tokens
+    validate(m.parse_args(["--config", "train_configs/bench_rollout_bound.toml"]), m.where)  # 7 blocks, 192: one request
 
 
 def test_a_micro_batch_token_budget_below_the_longest_row():

@@ -141,6 +141,23 @@ def test_targets_read_the_paired_bound_and_every_claim():
     assert out["evicted_fraction"]["met"] and not out["survival_by_length_decile_min"]["met"]
 
 
+def test_the_regime_is_async_trainer_idle_against_the_rollout_bound_line():
+    """The JSON says whether the run measured the paper's regime: async's mean trainer idle (waits and sync
+    stalls) of at least ROLLOUT_BOUND_IDLE; without async there is nothing to read it from."""
+    from reflow.bench.modes import ROLLOUT_BOUND_IDLE, format_table, regime
+
+    def run(*idles):
+        return {"per_seed": [{"trainer_idle_ratio": idle} for idle in idles]}
+
+    seen = regime({"async": run(0.30, 0.50), "reflow": run(0.1, 0.1)})
+    assert seen == {"async_trainer_idle": pytest.approx(0.40), "per_seed": [0.30, 0.50],
+                    "rollout_bound_from": ROLLOUT_BOUND_IDLE, "rollout_bound": True}
+    assert not regime({"async": run(0.38)})["rollout_bound"]
+    assert regime({"reflow": run(0.1)}) == {}
+    line = format_table({"start_eval_reward": 0.2, "seeds": 1, "modes": {}, "regime": regime({"async": run(0.21)})})
+    assert "async's trainer idle 0.21 (rollout-bound from 0.4): NOT rollout-bound" in line
+
+
 def test_learning_curve_samples_the_moving_reward_by_time_and_by_step():
     from reflow.bench.modes import learning_curve
 

@@ -35,7 +35,7 @@ def test_every_setting_the_simulator_models_comes_from_the_config():
 
 
 def test_the_engines_kv_cache_comes_from_the_config_and_bounds_the_prediction():
-    """The rollout-bound bench's 10 blocks of 32 tokens, against the same config with the profile's cache: the
+    """The rollout-bound bench's 7 blocks of 32 tokens, against the same config with the profile's cache: the
     bounded engines run fewer sequences at once and preempt, so fewer tokens/s and a trainer that waits longer
     (the simulation is deterministic: fixed seeds, no clock)."""
     bound = _config("--config", "train_configs/bench_rollout_bound.toml", "--training.mode=async")

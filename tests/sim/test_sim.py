@@ -312,19 +312,19 @@ def test_sync_dynamic_sampling_generates_extra_rounds_for_the_missing_groups():
 
 def test_a_kv_bound_config_sets_the_simulated_engines_cache():
     """``python -m reflow.sim validate`` on the rollout-bound bench: the engines hold what the config gives them
-    (10 blocks of 32 tokens, less the one vLLM keeps as its null block: 9 to share), not the fitted profile's
+    (7 blocks of 32 tokens, less the one vLLM keeps as its null block: 6 to share), not the fitted profile's
     default cache."""
     from reflow.config import ConfigManager
     from reflow.sim.profiles import with_engine_settings
 
     cfg = ConfigManager().parse_args(["--config", "train_configs/bench_rollout_bound.toml"])
     bound = with_engine_settings(TINY_CPU, cfg.rollout)
-    assert (bound.kv_budget_tokens, bound.kv_block_size, bound.max_num_seqs) == (288, 32, 256)
+    assert (bound.kv_budget_tokens, bound.kv_block_size, bound.max_num_seqs) == (192, 32, 256)
     assert bound.decode_token_s == TINY_CPU.decode_token_s  # the costs stay the profile's
     free = with_engine_settings(TINY_CPU, ConfigManager().parse_args(["--config", "train_configs/bench_modes.toml"]).rollout)
     assert (free.kv_budget_tokens, free.kv_block_size) == (TINY_CPU.kv_budget_tokens, TINY_CPU.kv_block_size)
     engine = SimEngine(bound, 0, max_steps=1)
-    assert engine.budget_blocks == 9
+    assert engine.budget_blocks == 6
 
 
 def test_the_simulated_placement_links_hold_the_live_protocols_order():
