@@ -50,7 +50,13 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    at most ``explore_budget`` of the horizon's predicted time. The trial lasts the cooldown; step 7 then
    keeps it or goes back. (The CPU bench's rollout-heavy workload measured 1 replica 1.4x 2, which the model
    put at 0.5x.)
-   Steps 7 and 8 are opt-in (``planner_memory_steps``, ``planner_explore_budget``).
+   Steps 7 and 8 are opt-in (``planner_memory_steps``, ``planner_explore_budget``). On the live 4-rank CPU
+   placement bench (docs/results/placement_planner_steps78.json, one session, every run 90 s) they take the
+   adaptive run from 0.855x to 0.921x the best static split on the rollout-heavy workload and from 0.623x to
+   0.907x on the trainer-heavy one, short of 0.95x: a placement's first window after the run's start is still
+   slow (compilation, cold caches) and its rates then stand for ``memory_steps`` (the trainer-heavy run left 2
+   replicas on such a window and came back only when it was forgotten), and the per-placement rates of single
+   windows are noisy enough to send the rollout-heavy run between 1 and 2 replicas five times.
 """
 
 from __future__ import annotations
