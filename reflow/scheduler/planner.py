@@ -39,24 +39,25 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    its own optimizer step, and ranks may share hosts, links or cores (on the 4-rank CPU placement bench one
    replica trains 2.6x the tokens per replica-second that each of two does). So p and c are also smoothed
    per placement, over the windows the run stood in it, and forgotten ``memory_steps`` steps after its last
-   window. A candidate the run has measured is predicted from its own p and c; one it has not, from the
+   window, the first window after the run's start or a change left out (it carries the start-up or the
+   transition). A candidate the run has measured is predicted from its own p and c; one it has not, from the
    current placement's (the linear model). Rates are per token, so a placement measured on shorter answers
    still predicts today's length through step 3 (an earlier design compared measured tokens/s, which the
    rollout-heavy bench's swinging length, 5 to 32 tokens smoothed, kept declaring another workload). A move
    between measured placements is a measurement, not a prediction, so step 6's double margin does not apply.
-8. Explore. A model that is wrong about a placement it never tried is never corrected, so once the current
-   placement has a full window, the unmeasured neighbours (one replica more or fewer) of the best measured
-   placement are tried in turn, the model's favourite first, after the cooldown, while two transitions cost
+8. Explore. A model that is wrong about a placement it never tried is never corrected, so while the run
+   stands in the best measured placement, its unmeasured neighbours (one replica more or fewer) are tried in
+   turn, the model's favourite first, after the cooldown, while two transitions cost
    at most ``explore_budget`` of the horizon's predicted time. The trial lasts the cooldown; step 7 then
    keeps it or goes back. (The CPU bench's rollout-heavy workload measured 1 replica 1.4x 2, which the model
    put at 0.5x.)
    Steps 7 and 8 are opt-in (``planner_memory_steps``, ``planner_explore_budget``). On the live 4-rank CPU
    placement bench (docs/results/placement_planner_steps78.json, one session, every run 90 s) they take the
-   adaptive run from 0.855x to 0.921x the best static split on the rollout-heavy workload and from 0.623x to
-   0.907x on the trainer-heavy one, short of 0.95x: a placement's first window after the run's start is still
-   slow (compilation, cold caches) and its rates then stand for ``memory_steps`` (the trainer-heavy run left 2
-   replicas on such a window and came back only when it was forgotten), and the per-placement rates of single
-   windows are noisy enough to send the rollout-heavy run between 1 and 2 replicas five times.
+   adaptive run from 0.855x to 0.990x the best static split on the rollout-heavy workload and from 0.623x to
+   0.936x on the trainer-heavy one (0.921x and 0.907x before a placement's first window was left out and
+   trials kept to the best's neighbours). Single windows' rates are still noisy: the trainer-heavy run moved
+   between 1 and 2 replicas ten times in 50 steps (2:2 measures 1.19x 1:3 statically), the rollout-heavy run
+   17 times in 240 steps.
 """
 
 from __future__ import annotations
@@ -279,6 +280,7 @@ class PlacementPlanner:
         self.lengths: list[tuple[int, float]] = []  # (step, mean length) of the windows in the trend's span
         self.idle_streak = {"trainer": 0, "rollout": 0}
         self.by_placement: dict[int, PlacementRates] = {}  # replicas -> its own smoothed rates (step 7)
+        self.settled = False  # whether the current placement's first measured window has passed (step 7)
         self.decisions: list[PlacementDecision] = []
 
     # ---- memory between decisions (checkpointed) ----------------------------------------
@@ -295,6 +297,7 @@ class PlacementPlanner:
             "left": self.left,
             "transition_cost_s": self.transition_cost_s,
             "by_placement": {str(n): asdict(own) for n, own in self.by_placement.items()},
+            "settled": self.settled,
         }
 
     def load_state(self, state: dict) -> None:
@@ -307,6 +310,7 @@ class PlacementPlanner:
         self.by_placement = {  # (absent from a checkpoint written before step 7: nothing measured)
             int(n): PlacementRates(**own) for n, own in state.get("by_placement", {}).items()
         }
+        self.settled = bool(state.get("settled", False))
 
     # ---- steps 1 and 2 -------------------------------------------------------------------
 
@@ -377,8 +381,14 @@ class PlacementPlanner:
     # ---- steps 7 and 8 ---------------------------------------------------------------------
 
     def remember(self, replicas: int, step: int, production: float, consumption: float) -> None:
-        """Blend one window's p and c into the current placement's own rates (step 7; off at memory_steps 0)."""
+        """Blend one window's p and c into the current placement's own rates (step 7; off at memory_steps 0).
+        The first measured window in a placement, after the run's start or a change, is left out: it carries
+        the start-up or the transition (on the live trainer-heavy bench 2 replicas measured 59 samples/s in
+        their first window and 133 later, and that rate stood until it was forgotten)."""
         if self.settings.memory_steps <= 0:
+            return
+        if not self.settled:
+            self.settled = True
             return
         old, weight = self.by_placement.get(replicas), self.settings.ema
         if old is not None:
@@ -398,8 +408,11 @@ class PlacementPlanner:
         measured = {c.replicas: c for c in candidates if c.measured}
         if settings.explore_budget <= 0 or replicas not in measured:
             return None
+        best = max(measured.values(), key=lambda c: c.throughput).replicas
+        if best != replicas:  # trials start from the best measured placement, one replica away (never a jump)
+            return None
         options = sorted(settings.replica_options)
-        at = options.index(max(measured.values(), key=lambda c: c.throughput).replicas)
+        at = options.index(best)
         neighbours = {options[j] for j in (at - 1, at + 1) if 0 <= j < len(options) and options[j] not in measured}
         by_replicas = {c.replicas: c for c in candidates}
         horizon_s = settings.horizon_steps * by_replicas[replicas].step_s
@@ -414,6 +427,7 @@ class PlacementPlanner:
         if decision.target is not None:
             self.last_change_step = step
             self.left = replicas
+            self.settled = False
             self.idle_streak = {"trainer": 0, "rollout": 0}
         self.decisions.append(decision)
         return decision

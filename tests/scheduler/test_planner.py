@@ -1,11 +1,12 @@
 """The placement planner on synthetic windows, against hand-computed rates and predictions."""
 
 import pickle
+from dataclasses import replace
 
 import pytest
 
 from reflow.scheduler.placement import ForcedSchedule, PlacementController
-from reflow.scheduler.planner import Candidate, PlacementPlanner, PlannerSettings, WindowMeasurement
+from reflow.scheduler.planner import Candidate, PlacementPlanner, PlacementRates, PlannerSettings, WindowMeasurement
 
 
 def planner(**overrides) -> PlacementPlanner:
@@ -262,16 +263,35 @@ def test_own_rates_are_per_token_so_a_placement_measured_on_other_lengths_still_
 def test_exploration_finds_the_placement_the_model_puts_at_half():
     """The rollout-heavy CPU bench: the model, at 2 replicas, predicts 1 at half of 2 (8.5 against 17
     samples/s) and 3 at 12; measured, 1 trains 1.4x what 2 does, and 3, fed by one rollout rank, 12/s. The
-    planner tries 3 first (the model's favourite neighbour, step 4), goes back to 2 (measured 1.4x 3, step 8),
-    tries 1 (2's other neighbour, step 12), and keeps it."""
+    run's first window is left out of 2's own rates (start-up), so the planner waits a window (step 4), tries
+    3 (the model's favourite neighbour, step 6), goes back to 2 (measured 1.4x 3, step 10), tries 1 (2's other
+    neighbour, step 14), and keeps it."""
     plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
     world = measured_world({1: 238, 2: 170, 3: 120}, arrived=60)
     first = plan.decide(4, 2, world(2, 4))
     assert {c.replicas: c.throughput for c in first.candidates} == pytest.approx({1: 8.5, 2: 17.0, 3: 12.0})
-    assert first.target == 3 and "exploring 3 replicas" in first.reason
-    assert run(plan, world, start=3, until=40, first=6) == [(8, 2), (12, 1)]
-    assert [d.target for d in plan.decisions[4:]] == [1] + [None] * 14
+    assert first.target is None and plan.by_placement == {}
+    assert run(plan, world, start=2, until=40, first=6) == [(6, 3), (10, 2), (14, 1)]
+    assert "exploring 3 replicas" in plan.decisions[1].reason and "exploring 1 replicas" in plan.decisions[5].reason
+    assert [d.target for d in plan.decisions[5:]] == [1] + [None] * 13
     assert {c.replicas: c.throughput for c in plan.decisions[-1].candidates} == pytest.approx({1: 23.8, 2: 17.0, 3: 12.0})
+
+
+def test_trials_start_only_from_the_best_measured_placement():
+    """Standing in 3 replicas, measured below 2 (within the margin, so step 4 stays), the planner does not try 1,
+    the best's unmeasured neighbour: that would move two replicas' worth of ranks from a placement that is not
+    the best; trials start from the best."""
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1, margin=1.0)
+    world = measured_world({1: 238, 2: 170, 3: 160}, arrived=400)
+    plan.by_placement = {2: PlacementRates(4000.0, 170 * 128 / 10 / 2, 14), 3: PlacementRates(4000.0, 160 * 128 / 10 / 3, 18)}
+    plan.settled, plan.last_change_step = True, 10
+    decision = plan.decide(20, 3, world(3, 20))
+    assert {c.replicas for c in decision.candidates if c.measured} == {2, 3}
+    assert max((c for c in decision.candidates if c.measured), key=lambda c: c.throughput).replicas == 2
+    assert decision.target is None and "exploring" not in decision.reason
+    # standing in 2, the best, the same memory tries 1
+    plan.by_placement[3] = replace(plan.by_placement[3], step=20)
+    assert plan.decide(22, 2, world(2, 22)).target == 1
 
 
 def test_exploration_waits_for_a_measured_window_and_respects_its_budget_and_memory():
@@ -285,7 +305,7 @@ def test_exploration_waits_for_a_measured_window_and_respects_its_budget_and_mem
     # rates older than memory_steps are forgotten, and the neighbours are tried again
     plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=12, explore_budget=0.1)
     moves = run(plan, world, start=2, until=40)
-    assert moves[:3] == [(4, 3), (8, 2), (12, 1)] and len(moves) > 3
+    assert moves[:3] == [(6, 3), (10, 2), (14, 1)] and len(moves) > 3
     assert all(own.step > 40 - 12 for own in plan.by_placement.values())
 
 
