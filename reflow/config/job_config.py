@@ -548,15 +548,15 @@ class SchedulerSection:
     """Placement planner: an idle ratio above this, on one side for idle_windows windows in a row, re-decides
     regardless of the margin and the transition cost."""
     idle_windows: int = limited(2, ge=1)
-    planner_memory_steps: int = limited(0, ge=0)
+    planner_memory_steps: int = limited(100, ge=0)
     """Placement planner: steps a placement's own measured rates (production per rollout rank-second,
     consumption per replica-second) stay valid after its last window; a placement with rates of its own is
     predicted from them, not scaled linearly from another's (0: off, every placement from the rates of all
-    windows)."""
-    planner_explore_budget: float = limited(0.0, ge=0)
+    windows, the linear model alone)."""
+    planner_explore_budget: float = limited(0.1, ge=0)
     """Placement planner: a placement never measured, next to the best measured one, is tried while two
     transitions cost at most this fraction of the horizon's predicted seconds (0: only the placements the
-    model chooses are measured). Needs planner_memory_steps; both are experimental (reflow/scheduler/planner.py)."""
+    model chooses are measured). Needs planner_memory_steps (reflow/scheduler/planner.py, steps 7 and 8)."""
 
 
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

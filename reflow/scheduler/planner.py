@@ -51,13 +51,16 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    at most ``explore_budget`` of the horizon's predicted time. The trial lasts the cooldown; step 7 then
    keeps it or goes back. (The CPU bench's rollout-heavy workload measured 1 replica 1.4x 2, which the model
    put at 0.5x.)
-   Steps 7 and 8 are opt-in (``planner_memory_steps``, ``planner_explore_budget``). On the live 4-rank CPU
+   Steps 7 and 8 are on by default in ``[scheduler]`` (``planner_memory_steps = 100``,
+   ``planner_explore_budget = 0.1``; ``PlannerSettings`` alone keeps them off). On the live 4-rank CPU
    placement bench (docs/results/placement_planner_steps78.json, one session, every run 90 s) they take the
    adaptive run from 0.855x to 0.990x the best static split on the rollout-heavy workload and from 0.623x to
    0.936x on the trainer-heavy one (0.921x and 0.907x before a placement's first window was left out and
    trials kept to the best's neighbours). Single windows' rates are still noisy: the trainer-heavy run moved
-   between 1 and 2 replicas ten times in 50 steps (2:2 measures 1.19x 1:3 statically), the rollout-heavy run
-   17 times in 240 steps.
+   between 1 and 2 replicas ten times in 50 steps (2:2 measures 1.19x 1:3 statically; a second run, back to
+   back with static 2:2, 0.953x), the rollout-heavy run 17 times in 240 steps. In the simulator (Qwen3-8B
+   profile, drifting workload, ``python -m reflow.sim compare``) adaptive placement reaches 1.15x, 1.17x and
+   1.21x the best static split at 8, 32 and 128 GPUs with them, 1.03x, 1.00x and 1.04x without.
 """
 
 from __future__ import annotations
