@@ -146,8 +146,9 @@ def test_the_regime_is_async_trainer_idle_against_the_rollout_bound_line():
     stalls) of at least ROLLOUT_BOUND_IDLE; without async there is nothing to read it from."""
     from reflow.bench.modes import ROLLOUT_BOUND_IDLE, format_table, regime
 
-    def run(*idles):
-        return {"per_seed": [{"trainer_idle_ratio": idle} for idle in idles]}
+    def run(*idles):  # a mode as ``finish`` hands it over: its seeds and their aggregate
+        per_seed = [{"trainer_idle_ratio": idle, "staleness_distribution": {}} for idle in idles]
+        return {"per_seed": per_seed, **aggregate(per_seed)}
 
     seen = regime({"async": run(0.30, 0.50), "reflow": run(0.1, 0.1)})
     assert seen == {"async_trainer_idle": pytest.approx(0.40), "per_seed": [0.30, 0.50],
