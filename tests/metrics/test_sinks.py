@@ -41,6 +41,11 @@ def test_wandb_offline_gets_every_row_and_a_resume_continues_the_run(tmp_path, m
     first_id = first.sinks[1].run_id
     first.log(1, row)
     first.close()
+    # wandb names an offline segment by its start second and the run id: a resume within the same second (a
+    # test, never a restarted job) would write into the first segment's folder
+    second = int(time.time())
+    while int(time.time()) == second:
+        time.sleep(0.05)
     resumed = MetricsLogger(str(tmp_path), True, 4, tensorboard=False, progress=False, wandb=settings, config={})
     assert resumed.sinks[0].run_id == first_id  # the id kept in <dump_folder>/wandb_run_id
     resumed.log(2, {"loss": 0.125})
