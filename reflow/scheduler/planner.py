@@ -399,6 +399,16 @@ class PlacementPlanner:
             consumption = (1 - weight) * old.consumption + weight * consumption
         self.by_placement[replicas] = PlacementRates(production, consumption, step)
 
+    def measuring(self, step: int, replicas: int) -> bool:
+        """Whether the run stays in the current placement until it has its own rates (step 7): a placement is
+        judged against measured ones only once measured itself, or after twice the cooldown if its windows measure
+        nothing. (The live trainer-heavy bench left a trial of 1 replica after one window, which was the
+        transition's and left out, on the all-windows rates, and tried it again two windows later.)"""
+        return (
+            self.settings.memory_steps > 0 and replicas not in self.by_placement
+            and step - self.last_change_step < 2 * self.settings.cooldown_steps
+        )
+
     def forget(self, step: int) -> None:
         """Drop the rates of placements whose newest window is ``memory_steps`` or more steps old: the workload
         may have drifted since."""
@@ -473,6 +483,8 @@ class PlacementPlanner:
             return PlacementDecision(step, replicas, None, "the current placement is predicted best", **detail)
         if step - self.last_change_step < settings.cooldown_steps:
             return PlacementDecision(step, replicas, None, "cooling down after the last change", **detail)
+        if self.measuring(step, replicas):
+            return PlacementDecision(step, replicas, None, "measuring the current placement before judging it", **detail)
         # a trainer starving for windows wants more rollout ranks (fewer replicas); idle rollout ranks, more replicas
         idle_side = next(
             (side for side in ("trainer", "rollout") if self.idle_streak[side] >= settings.idle_windows

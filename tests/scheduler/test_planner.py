@@ -229,14 +229,16 @@ def run(plan: PlacementPlanner, window, start: int, until: int, first: int = 4) 
 def test_a_placement_measured_slower_per_replica_overrules_the_model_and_the_move_back_needs_only_the_margin():
     """The trainer-heavy CPU bench: 2 replicas train 170 samples a window, 3 only 120 and 1 150 (an all-reduce
     and an optimizer step per replica on shared cores), where the model scales 2's rate to 3 x 8.5 = 25.5/s.
-    It moves to 3 (step 4), measures 3's own c (120 x 128 / 10 / 3 = 512 tokens per replica-second against
-    2's 1088), and goes back at the first decision after the cooldown (step 8) with the plain margin; it then
-    tries 1 replica, the unmeasured neighbour (step 12), goes back again (step 16), and stays: every neighbour
-    of the best is measured."""
+    The first window (step 4) is the start's and left out, so 2 is measured at step 6; it moves to 3 then,
+    measures 3's own c (120 x 128 / 10 / 3 = 512 tokens per replica-second against 2's 1088), and goes back
+    at the first decision after the cooldown (step 10) with the plain margin; it then tries 1 replica, the
+    unmeasured neighbour (step 14), goes back again (step 18), and stays: every neighbour of the best is
+    measured."""
     plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
     world = measured_world({1: 150, 2: 170, 3: 120}, arrived=400)
-    assert run(plan, world, start=2, until=40) == [(4, 3), (8, 2), (12, 1), (16, 2)]
-    assert "exploring 1 replicas" in plan.decisions[4].reason
+    assert run(plan, world, start=2, until=40) == [(6, 3), (10, 2), (14, 1), (18, 2)]
+    assert plan.decisions[0].reason == "measuring the current placement before judging it"
+    assert "exploring 1 replicas" in plan.decisions[5].reason
     assert plan.by_placement[3].consumption == pytest.approx(120 * 128 / 10 / 3)
     assert plan.by_placement[1].consumption == pytest.approx(150 * 128 / 10)
     final = plan.decisions[-1]
@@ -323,3 +325,30 @@ def test_own_rates_survive_a_checkpoint():
     again = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
     again.load_state(pickle.loads(pickle.dumps(plan.state())))
     assert again.by_placement == plan.by_placement and again.state() == plan.state()
+
+
+def test_a_placement_is_measured_before_it_is_judged():
+    """The live trainer-heavy bench: a trial of 1 replica whose only window so far was the transition's (left
+    out) went back to 2 on the all-windows rates, and tried 1 again two windows later. Now the run stays in an
+    unmeasured placement until a window of its own is kept, and then judges it on its own rates; a placement
+    whose windows measure nothing is left after twice the cooldown as before."""
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
+    world = measured_world({1: 150, 2: 170, 3: 120}, arrived=400)
+    plan.by_placement = {2: PlacementRates(4000.0, 170 * 128 / 10 / 2, 20), 3: PlacementRates(4000.0, 512.0, 16)}
+    plan.last_change_step, plan.left, plan.settled = 20, 2, False  # step 20 began a trial of 1 replica
+    # the transition's steps were shorter than the rollout's report period: nothing measured
+    unreported = rows(trained=60, wait=0.0, arrived=400, busy=0.0, idle=0.0, first_step=21)
+    assert plan.decide(22, 1, unreported).target is None
+    # the first kept window is left out (the transition's); past the cooldown, the run still stays to measure
+    first = plan.decide(24, 1, world(1, 24))
+    assert first.target is None and first.reason == "measuring the current placement before judging it"
+    assert 1 not in plan.by_placement and {c.replicas: c.throughput for c in first.candidates}[2] > 1.1 * 15.0
+    # measured at 150 a window against 2's 170 (beyond the margin): it goes back on measurements
+    decision = plan.decide(26, 1, world(1, 26))
+    assert plan.by_placement[1].consumption == pytest.approx(150 * 128 / 10) and decision.target == 2
+    # windows that measure nothing hold a placement for twice the cooldown, no longer
+    idle = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
+    idle.load_state(plan.state())
+    idle.last_change_step, idle.settled = 26, False
+    idle.by_placement.pop(2)
+    assert idle.measuring(33, 2) and not idle.measuring(34, 2)
