@@ -8,8 +8,11 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
        c  consumption: tokens trained (prompt and response, fresh and replayed) per trainer replica-second
           of not waiting for data
        L  the mean response length that arrived, and its trend per step: the least-squares slope of the
-          windows' lengths over the last ``horizon_steps`` steps (a one-window difference swung the
-          prediction between half and twice the length on the live tiny_adaptive run)
+          windows' lengths over the last ``horizon_steps`` steps, where it is at least two standard errors
+          from 0 (a one-window difference swung the prediction between half and twice the length on the live
+          tiny_adaptive run; on the rollout-bound bench, whose windows' lengths scatter between 0 and 39
+          tokens about a steady 14, even the least-squares slope of three or more windows did, and the run
+          moved at each swing)
    A rollout rank idle because the dispatch rule has no room, or a trainer waiting for samples, lowers the
    raw rates but not these: waiting is not mistaken for slowness.
 2. Smooth. Each rate and L is an EMA over windows (``ema``: the newest window's weight), so one noisy
@@ -79,6 +82,21 @@ def least_squares_slope(points: list[tuple[int, float]]) -> float:
     mean_y = sum(y for _, y in points) / len(points)
     spread = sum((x - mean_x) ** 2 for x, _ in points)
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+
+
+def significant_slope(points: list[tuple[int, float]], t: float = 2.0) -> float:
+    """The least-squares slope where it stands out of the points' scatter (at least ``t`` standard errors from 0),
+    else 0: two points always fit a line, and a stationary but noisy series has a slope in every sample of it.
+    With exactly collinear points (no scatter) any slope stands out."""
+    slope = least_squares_slope(points)
+    if len(points) < 3 or slope == 0.0:
+        return slope
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    residuals = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in points)
+    error = (residuals / (len(points) - 2) / spread) ** 0.5
+    return slope if abs(slope) >= t * error else 0.0
 
 
 @dataclass(frozen=True)
@@ -337,7 +355,7 @@ class PlacementPlanner:
         self.remember(replicas, step, production, consumption)
         self.lengths = [(at, length) for at, length in self.lengths if at > step - self.settings.horizon_steps]
         self.lengths.append((step, window.length_mean))
-        trend = least_squares_slope(self.lengths)
+        trend = significant_slope(self.lengths)
         previous, weight = self.smoothed, self.settings.ema
         if previous is None:
             self.smoothed = Rates(production, consumption, window.length_mean, trend, prompt)

@@ -6,7 +6,15 @@ from dataclasses import replace
 import pytest
 
 from reflow.scheduler.placement import ForcedSchedule, PlacementController
-from reflow.scheduler.planner import Candidate, PlacementPlanner, PlacementRates, PlannerSettings, WindowMeasurement
+from reflow.scheduler.planner import (
+    Candidate,
+    PlacementPlanner,
+    PlacementRates,
+    PlannerSettings,
+    WindowMeasurement,
+    least_squares_slope,
+    significant_slope,
+)
 
 
 def planner(**overrides) -> PlacementPlanner:
@@ -120,12 +128,28 @@ def test_a_growing_length_is_predicted_at_the_horizon():
     assert decision.rates.length == pytest.approx(150.0) and decision.rates.length_trend == pytest.approx(50.0)
     assert decision.predicted_length == pytest.approx(300.0)
     # a third window back at 150: the least-squares slope through the three is 12.5 (a one-window difference
-    # would say -25), the smoothed length stays 150: 150 + 12.5 x 5
+    # would say -25), but its standard error is 43 (residuals 12.5, -25, 12.5): scatter, no trend. The
+    # smoothed length stays 150, and so does the prediction
     decision = plan.decide(8, 2, rows(length=150.0, first_step=5))
-    assert decision.rates.length_trend == pytest.approx(12.5) and decision.predicted_length == pytest.approx(212.5)
+    assert decision.rates.length_trend == 0.0 and decision.predicted_length == pytest.approx(150.0)
     # windows older than the horizon leave the slope: (8, 150) and (16, 150) are flat
     decision = plan.decide(16, 2, rows(length=150.0, first_step=9))
     assert decision.rates.length_trend == pytest.approx(0.0) and decision.predicted_length == pytest.approx(150.0)
+    # a steady growth over four windows stands out of its scatter: 40, 62, 78, 100 a window apart (slope 9.8 a
+    # step, standard error 0.4)
+    plan = planner(horizon_steps=10)
+    for step, length in ((2, 40.0), (4, 62.0), (6, 78.0), (8, 100.0)):
+        decision = plan.decide(step, 2, rows(length=length, first_step=step - 1))
+    assert decision.rates.length_trend == pytest.approx(9.8)
+
+
+def test_a_trend_counts_only_beyond_the_scatter():
+    """The rollout-bound bench's windows: lengths scattered about a steady 14 (0 to 39 tokens) have a
+    least-squares slope in every span, which the prediction followed to half and twice the length."""
+    scattered = [(2, 12.0), (4, 19.0), (6, 10.0), (8, 3.0), (10, 32.0), (12, 6.0), (14, 15.0)]
+    assert least_squares_slope(scattered) != 0.0 and significant_slope(scattered) == 0.0
+    assert significant_slope([(2, 10.0), (4, 12.0), (6, 14.5), (8, 16.0)]) == pytest.approx(1.025)
+    assert significant_slope([(2, 10.0), (4, 30.0)]) == pytest.approx(10.0)  # two points: no scatter to judge by
 
 
 def test_ties_go_to_the_fresh_coverage_band():
