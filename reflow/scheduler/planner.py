@@ -40,14 +40,16 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
 7. Each placement its own rates. The model scales a trainer replica's rate and a rollout rank's rate linearly,
    which a real machine need not do: a replica added to a small model's trainer adds a gradient all-reduce and
    its own optimizer step, and ranks may share hosts, links or cores (on the 4-rank CPU placement bench one
-   replica trains 2.6x the tokens per replica-second that each of two does). So p and c are also smoothed
-   per placement, over the windows the run stood in it, and forgotten ``memory_steps`` steps after its last
-   window, the first window after the run's start or a change left out (it carries the start-up or the
-   transition). A candidate the run has measured is predicted from its own p and c; one it has not, from the
-   current placement's (the linear model). Rates are per token, so a placement measured on shorter answers
-   still predicts today's length through step 3 (an earlier design compared measured tokens/s, which the
-   rollout-heavy bench's swinging length, 5 to 32 tokens smoothed, kept declaring another workload). A move
-   between measured placements is a measurement, not a prediction, so step 6's double margin does not apply.
+   replica trains 2.6x the tokens per replica-second that each of two does). So p and c are also smoothed per
+   placement, over the windows the run stood in it, and forgotten ``memory_steps`` steps after its last window,
+   the first window after the run's start or a change left out (it carries the start-up or the transition). A
+   candidate the run has measured is predicted from its own p and c (the current placement's smoothed; one the
+   run has left, the ratios of its latest stay's sums, not the smoothed rates of the moment it left, which were
+   chosen for being low); one it has not, from the current placement's (the linear model). The run stays in a
+   placement until a window of its own is kept before judging it. Rates are per token, so a placement measured on
+   shorter answers still predicts today's length through step 3 (an earlier design compared measured tokens/s,
+   which the rollout-heavy bench's swinging length, 5 to 32 tokens smoothed, kept declaring another workload). A
+   move between measured placements is a measurement, not a prediction, so step 6's double margin does not apply.
 8. Explore. A model that is wrong about a placement it never tried is never corrected, so while the run
    stands in the best measured placement, its unmeasured neighbours (one replica more or fewer) are tried in
    turn, the model's favourite first, after the cooldown, while two transitions cost
@@ -217,7 +219,8 @@ class Rates:
 
 @dataclass(frozen=True)
 class PlacementRates:
-    """Step 7: p and c smoothed over the windows the run stood in one placement."""
+    """Step 7: p and c smoothed over the windows the run stood in one placement, and the sums of its latest
+    stay there."""
 
     production: float
     """Useful response tokens per rollout rank-second."""
@@ -225,6 +228,23 @@ class PlacementRates:
     """Trained tokens per trainer replica-second."""
     step: int
     """The decision step of its newest window."""
+    stay_useful_tokens: float = 0.0
+    stay_busy_s: float = 0.0
+    stay_trained_tokens: float = 0.0
+    stay_working_s: float = 0.0
+    """The latest stay's kept windows: useful tokens and rollout busy seconds, trained tokens and trainer
+    seconds not waiting (summed)."""
+
+    def stay_average(self, replicas: int) -> "PlacementRates":
+        """p and c as the ratios of the latest stay's sums: a placement the run has left is remembered by its
+        whole stay, not by the smoothed rates of the moment it left (a moment chosen for their being low: on
+        the live rollout-bound bench the run left 1 replica on one slow window, and the low rates that window
+        left stood, 0.6x what the stay had measured, while the run trained 50 steps in a placement 0.76x as
+        fast)."""
+        if self.stay_busy_s <= 0 or self.stay_working_s <= 0:
+            return self
+        return replace(self, production=self.stay_useful_tokens / self.stay_busy_s,
+                       consumption=self.stay_trained_tokens / self.stay_working_s / replicas)
 
 
 @dataclass(frozen=True)
@@ -352,7 +372,7 @@ class PlacementPlanner:
         if measured is None:
             return self.smoothed
         production, consumption, prompt = measured
-        self.remember(replicas, step, production, consumption)
+        self.remember(replicas, step, production, consumption, window)
         self.lengths = [(at, length) for at, length in self.lengths if at > step - self.settings.horizon_steps]
         self.lengths.append((step, window.length_mean))
         trend = significant_slope(self.lengths)
@@ -383,6 +403,8 @@ class PlacementPlanner:
         out = []
         for replicas in settings.replica_options:
             own = self.by_placement.get(replicas)
+            if own is not None and replicas != current:
+                own = own.stay_average(replicas)
             source = own or here or rates
             rollout = settings.world_size - replicas * settings.shard_degree
             production = source.production * rollout / length
@@ -401,21 +423,30 @@ class PlacementPlanner:
 
     # ---- steps 7 and 8 ---------------------------------------------------------------------
 
-    def remember(self, replicas: int, step: int, production: float, consumption: float) -> None:
-        """Blend one window's p and c into the current placement's own rates (step 7; off at memory_steps 0).
-        The first measured window in a placement, after the run's start or a change, is left out: it carries
-        the start-up or the transition (on the live trainer-heavy bench 2 replicas measured 59 samples/s in
-        their first window and 133 later, and that rate stood until it was forgotten)."""
+    def remember(self, replicas: int, step: int, production: float, consumption: float,
+                 window: WindowMeasurement | None = None) -> None:
+        """Blend one window's p and c into the current placement's own rates, and add its sums to the stay's
+        (step 7; off at memory_steps 0). The first measured window in a placement, after the run's start or a
+        change, is left out: it carries the start-up or the transition (on the live trainer-heavy bench 2
+        replicas measured 59 samples/s in their first window and 133 later, and that rate stood until it was
+        forgotten)."""
         if self.settings.memory_steps <= 0:
             return
         if not self.settled:
             self.settled = True
             return
         old, weight = self.by_placement.get(replicas), self.settings.ema
+        sums = (0.0, 0.0, 0.0, 0.0)
+        if window is not None:
+            sums = (window.useful_tokens, window.rollout_busy_s, window.trained_tokens,
+                    window.seconds - window.trainer_wait_s)
         if old is not None:
             production = (1 - weight) * old.production + weight * production
             consumption = (1 - weight) * old.consumption + weight * consumption
-        self.by_placement[replicas] = PlacementRates(production, consumption, step)
+            if old.step > self.last_change_step:  # the same stay
+                sums = tuple(a + b for a, b in zip(sums, (old.stay_useful_tokens, old.stay_busy_s,
+                                                          old.stay_trained_tokens, old.stay_working_s)))
+        self.by_placement[replicas] = PlacementRates(production, consumption, step, *sums)
 
     def measuring(self, step: int, replicas: int) -> bool:
         """Whether the run stays in the current placement until it has its own rates (step 7): a placement is

@@ -376,3 +376,26 @@ def test_a_placement_is_measured_before_it_is_judged():
     idle.last_change_step, idle.settled = 26, False
     idle.by_placement.pop(2)
     assert idle.measuring(33, 2) and not idle.measuring(34, 2)
+
+
+def test_a_placement_left_is_remembered_by_its_whole_stay():
+    """The live rollout-bound bench left 1 replica on one slow window, and the smoothed rates of that moment
+    (chosen for being low) stood for the placement while the run trained 50 steps in a slower one. A placement
+    the run has left is predicted from the ratios of its latest stay's sums instead: three windows of 150
+    samples and one of 50 consume (3 x 150 + 50) / 4 = 125 a window, where the smoothed rate fell to 100."""
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, margin=10.0)
+    world = measured_world({1: 150, 2: 170, 3: 120}, arrived=400)
+    for step in (4, 6, 8, 10):  # (step 4's window is the start's, left out)
+        plan.decide(step, 1, world(1, step))
+    slow = rows(trained=50, wait=0.0, arrived=400, idle=0.0, first_step=11)
+    standing = plan.decide(12, 1, slow)
+    per_sample = 128.0  # the trained tokens of a sample (28 + 100)
+    assert plan.by_placement[1].consumption == pytest.approx(100 * per_sample / 10)  # the smoothed rate, in 1
+    assert {c.replicas: c.consumption for c in standing.candidates}[1] == pytest.approx(10.0)
+    plan.last_change_step, plan.left, plan.settled = 12, 1, False  # the run moves to 2 replicas
+    away = plan.decide(14, 2, world(2, 14))
+    assert {c.replicas: c.consumption for c in away.candidates}[1] == pytest.approx(12.5)
+    # a later stay in 1 starts its own sums
+    plan.last_change_step, plan.left, plan.settled = 14, 2, True
+    plan.decide(16, 1, rows(trained=80, wait=0.0, arrived=400, idle=0.0, first_step=15))
+    assert plan.by_placement[1].stay_average(1).consumption == pytest.approx(80 * per_sample / 10)
