@@ -27,12 +27,15 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    [1 - sigma, 1] (the paper's "between b(1 - sigma) and b": no replay beyond sigma, no fresh samples
    beyond what a step takes), then the one closest to the current placement.
 5. Decide. Move only if (a) the choice's X beats the current one's by ``margin`` (relative), (b)
-   ``cooldown_steps`` steps have passed since the last change, and (c) the time it saves over the horizon
-   exceeds the cost of a transition (the last measured one, else ``transition_cost_s``). Except: when one
-   side has idled above ``idle_threshold`` (the trainer waiting for samples, or the rollout ranks having no
-   room) for ``idle_windows`` windows in a row, (a) and (c) are waived and the choice is taken if it moves
-   ranks toward the idle side's opposite and is predicted faster than the current placement at all (a
-   choice won by step 4's tie-break, no faster, would move ranks back and forth); the cooldown still holds.
+   ``cooldown_steps`` steps have passed since the last change, and (c) the time it saves over the horizon exceeds
+   the cost of a transition (the last measured one, else ``transition_cost_s``). Except: when one side has idled
+   above ``idle_threshold`` (the trainer waiting for samples, or the rollout ranks having no room) for
+   ``idle_windows`` windows in a row, (a) and (c) are waived and the choice is taken if it moves ranks toward the
+   idle side's opposite, is a placement the run has not measured (step 7: a measured one's rates already show
+   what the idle side costs there; on the live trainer-heavy bench, whose rollout ranks idle in its best split,
+   the waiver took the run from 2 replicas to 3, measured 6% faster, twice) and is predicted faster than the
+   current placement at all (a choice won by step 4's tie-break, no faster, would move ranks back and forth); the
+   cooldown still holds.
 6. Hysteresis. A move back to the placement the last change left needs twice the margin, and no idle
    waiver: that placement was left on measured rates, and the side that now idles is what the trade was
    expected to cost, not new evidence (the live tiny_adaptive run went 2 -> 1 on an idle trainer and
@@ -546,7 +549,7 @@ class PlacementPlanner:
             f"against a {self.transition_cost_s:.1f}s transition"
         )
         reverses = chosen.replicas == self.left and not chosen.measured  # (a measured one is no prediction: step 7)
-        if idle_side is not None and chosen.throughput > current.throughput and not reverses:
+        if idle_side is not None and chosen.throughput > current.throughput and not reverses and not chosen.measured:
             return PlacementDecision(
                 step, replicas, chosen.replicas,
                 f"{summary}; the {idle_side} side idled above {settings.idle_threshold} for "

@@ -399,3 +399,22 @@ def test_a_placement_left_is_remembered_by_its_whole_stay():
     plan.last_change_step, plan.left, plan.settled = 14, 2, True
     plan.decide(16, 1, rows(trained=80, wait=0.0, arrived=400, idle=0.0, first_step=15))
     assert plan.by_placement[1].stay_average(1).consumption == pytest.approx(80 * per_sample / 10)
+
+
+def test_an_idle_side_waives_the_margin_only_toward_an_unmeasured_placement():
+    """The live trainer-heavy bench: its rollout ranks idle in its best split (2 replicas), and the idle waiver
+    took the run to 3 replicas, measured within the margin of 2, twice. A measured placement's rates already show
+    what the idle side costs there: the margin holds."""
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, idle_windows=2)
+    plan.by_placement = {3: PlacementRates(4000.0, 180 * 128 / 10 / 3, 20)}  # 3 measured 180 a window: 1.06x 2
+    plan.last_change_step, plan.settled = 20, True
+    idle_rollout = [rows(trained=170, wait=0.0, arrived=400, busy=5.0, idle=5.0, first_step=step - 1) for step in (22, 24)]
+    decisions = [plan.decide(step, 2, window) for step, window in zip((22, 24), idle_rollout)]
+    assert plan.idle_streak["rollout"] == 2
+    assert decisions[-1].target is None and "within the margin" in decisions[-1].reason
+    # the same idle run with 3 unmeasured: the waiver takes the model's choice
+    fresh = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, idle_windows=2)
+    fresh.by_placement = {2: PlacementRates(4000.0, 170 * 128 / 10 / 2, 20)}
+    fresh.last_change_step, fresh.settled = 20, True
+    moves = [fresh.decide(step, 2, window).target for step, window in zip((22, 24), idle_rollout)]
+    assert moves == [None, 3]
