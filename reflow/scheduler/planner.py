@@ -443,21 +443,24 @@ class PlacementPlanner:
         if window is not None:
             sums = (window.useful_tokens, window.rollout_busy_s, window.trained_tokens,
                     window.seconds - window.trainer_wait_s)
-        if old is not None:
+        if old is not None and old.step > self.last_change_step:  # the same stay (a new one starts afresh)
             production = (1 - weight) * old.production + weight * production
             consumption = (1 - weight) * old.consumption + weight * consumption
-            if old.step > self.last_change_step:  # the same stay
-                sums = tuple(a + b for a, b in zip(sums, (old.stay_useful_tokens, old.stay_busy_s,
-                                                          old.stay_trained_tokens, old.stay_working_s)))
+            sums = tuple(a + b for a, b in zip(sums, (old.stay_useful_tokens, old.stay_busy_s, old.stay_trained_tokens,
+                                                      old.stay_working_s)))
         self.by_placement[replicas] = PlacementRates(production, consumption, step, *sums)
 
     def measuring(self, step: int, replicas: int) -> bool:
-        """Whether the run stays in the current placement until it has its own rates (step 7): a placement is
-        judged against measured ones only once measured itself, or after twice the cooldown if its windows measure
-        nothing. (The live trainer-heavy bench left a trial of 1 replica after one window, which was the
-        transition's and left out, on the all-windows rates, and tried it again two windows later.)"""
+        """Whether the run stays in the current placement until this stay has its own rates (step 7): a placement
+        is judged against measured ones only once measured itself, in this stay (a return is judged on what the
+        placement measures now, not on what it measured the last time), or after twice the cooldown if its
+        windows measure nothing. (The live trainer-heavy bench left a trial of 1 replica after one window, which
+        was the transition's and left out, on the all-windows rates, and tried it again two windows later; the
+        rollout-bound one went between 1 and 2 replicas every 4 steps for 80 steps, judging each placement it
+        came back to on the smoothed rates of the moment it had last left it.)"""
+        own = self.by_placement.get(replicas)
         return (
-            self.settings.memory_steps > 0 and replicas not in self.by_placement
+            self.settings.memory_steps > 0 and (own is None or own.step <= self.last_change_step)
             and step - self.last_change_step < 2 * self.settings.cooldown_steps
         )
 

@@ -418,3 +418,21 @@ def test_an_idle_side_waives_the_margin_only_toward_an_unmeasured_placement():
     fresh.last_change_step, fresh.settled = 20, True
     moves = [fresh.decide(step, 2, window).target for step, window in zip((22, 24), idle_rollout)]
     assert moves == [None, 3]
+
+
+def test_a_placement_returned_to_is_measured_again_before_it_is_judged():
+    """The live rollout-bound bench went between 1 and 2 replicas every 4 steps for 80 steps: back in 1, the run
+    judged it on the smoothed rates of the moment it had last left it (chosen for being low), before this stay
+    had a window of its own. A stay now starts its own rates: the run measures again, then judges."""
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, margin=0.2, replica_options=(1, 2))
+    world = measured_world({1: 150, 2: 170, 3: 120}, arrived=400)
+    low = rows(trained=50, wait=0.0, arrived=400, idle=0.0)
+    plan.by_placement = {1: PlacementRates(4000.0, 50 * 128 / 10, 10), 2: PlacementRates(4000.0, 170 * 128 / 10 / 2, 20)}
+    plan.last_change_step, plan.left, plan.settled = 20, 2, False  # step 20 returned to 1 replica
+    assert plan.decide(22, 1, world(1, 22)).target is None  # the transition's window, left out
+    back = plan.decide(24, 1, world(1, 24))  # past the cooldown: the stay's first kept window
+    assert back.target is None and plan.by_placement[1].consumption == pytest.approx(150 * 128 / 10)  # not 100
+    assert plan.by_placement[1].stay_trained_tokens == pytest.approx(150 * 128)
+    # a slow window in the same stay blends in
+    plan.decide(26, 1, [dict(r, step=r["step"] + 25) for r in low])
+    assert plan.by_placement[1].consumption == pytest.approx(100 * 128 / 10)
