@@ -59,16 +59,23 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    at most ``explore_budget`` of the horizon's predicted time. The trial lasts the cooldown; step 7 then
    keeps it or goes back. (The CPU bench's rollout-heavy workload measured 1 replica 1.4x 2, which the model
    put at 0.5x.)
-   Steps 7 and 8 are on by default in ``[scheduler]`` (``planner_memory_steps = 100``,
-   ``planner_explore_budget = 0.1``; ``PlannerSettings`` alone keeps them off). On the live 4-rank CPU
-   placement bench (docs/results/placement_planner_steps78.json, one session, every run 90 s) they take the
-   adaptive run from 0.855x to 0.990x the best static split on the rollout-heavy workload and from 0.623x to
-   0.936x on the trainer-heavy one (0.921x and 0.907x before a placement's first window was left out and
-   trials kept to the best's neighbours). Single windows' rates are still noisy: the trainer-heavy run moved
-   between 1 and 2 replicas ten times in 50 steps (2:2 measures 1.19x 1:3 statically; a second run, back to
-   back with static 2:2, 0.953x), the rollout-heavy run 17 times in 240 steps. In the simulator (Qwen3-8B
-   profile, drifting workload, ``python -m reflow.sim compare``) adaptive placement reaches 1.15x, 1.17x and
-   1.21x the best static split at 8, 32 and 128 GPUs with them, 1.03x, 1.00x and 1.04x without.
+   Steps 7 and 8 are on by default in ``[scheduler]`` (``planner_memory_steps = 100``, ``planner_explore_budget =
+   0.1``; ``PlannerSettings`` alone keeps them off). On the live 4-rank CPU placement bench (``python -m
+   reflow.bench placement``, every run 90 s, the three static splits and the adaptive run side by side) the
+   adaptive run reached 0.990x and 0.936x the best static split (rollout-heavy, trainer-heavy) with the first
+   form of steps 7 and 8 (docs/results/placement_planner_steps78.json); the fixes to the pathologies those runs
+   and later ones showed (a placement judged before a window of its own, a length trend read in noise, a
+   placement left or returned to judged on the rates of the moment it was left, the idle waiver between measured
+   placements) gave 0.886/0.930, 0.622/0.979, 0.874/0.862, 0.759/0.888 and, with all of them, 0.973/0.917
+   (docs/results/placement_planner_stays.json). The static splits themselves moved by up to 12% from run to run,
+   and a 90 s run is 125 to 230 steps: each trial of a neighbour costs 4 to 10 steps at 0.75-0.85x, and the
+   memory forgets and tries again once a run; in its best placement the adaptive run trains as fast as the static
+   split (2176 against 2092 tokens/s in steps 56-112 of the last trainer-heavy run). In the simulator (Qwen3-8B
+   profile, drifting workload, ``python -m reflow.sim compare --scales 8,32,128 --steps 24``) adaptive placement
+   reaches 1.13x, 0.96x and 1.18x the best static split; at 32 GPUs it spends 16 of the 24 steps trying 1 and 3
+   replicas around the best, 2. (The earlier 1.17x there came from a run that left each trial of 1 replica before
+   measuring it and so went between 1 and 2 replicas every 2 steps, which the simulator found faster than
+   either.)
 """
 
 from __future__ import annotations
