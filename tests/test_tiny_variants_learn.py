@@ -10,6 +10,7 @@ import os
 import pytest
 
 from tests.conftest import require_kernel_sandbox, run_torchrun
+from tests.test_lora_training import check_lora_run
 
 # config, steps, the least rise of the held-out reward from the starting policy to the final one (measured on 256
 # prompts, paired: the same prompts and sampling seeds for both policies). The decoupled runs are not
@@ -41,8 +42,9 @@ def test_tiny_variant_learns(tmp_path, variant):
         require_kernel_sandbox()
     config, steps, rise = VARIANTS[variant]
     dump = str(tmp_path / variant)
+    export = ["--checkpoint.export_hf=true"] if variant == "lora" else []  # (checked by test_lora_training)
     run_torchrun(2, ["-m", "reflow.train", "--config", config, f"--job.dump_folder={dump}", f"--training.steps={steps}",
-                     f"--metrics.eval_interval={steps}", f"--metrics.eval_num_prompts={EVAL_PROMPTS}"])
+                     f"--metrics.eval_interval={steps}", f"--metrics.eval_num_prompts={EVAL_PROMPTS}", *export])
     everything = _rows(dump)
     rows = [r for r in everything if "reward_mean" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -62,3 +64,5 @@ def test_tiny_variant_learns(tmp_path, variant):
         calls_last = sum(r["tool_calls_mean"] for r in rows[-10:]) / 10
         print(f"retool: calculator calls per answer {calls_first:.2f} -> {calls_last:.2f}")
         assert calls_last >= calls_first + 0.05, (calls_first, calls_last)
+    if variant == "lora":  # the reflow LoRA run of tests/test_lora_training.py: its syncs and exports
+        check_lora_run(dump, rows, "reflow")

@@ -201,6 +201,8 @@ def test_coding_agent_feedback_and_revision(coding, apps_problems):
     "import time\ntime.sleep(60)",
 ])
 def test_coding_agent_hostile_program_scores_zero(coding, apps_problems, code):
+    if "sleep" in code:  # the wall-clock limit ends it: a short one (each of the 3 tests waits it out)
+        coding = build_task(TaskSection(name="coding_agent", max_turns=3, **{**SANDBOX, "sandbox_wall_s": 1.0}))
     transcript = f"<code>\n{code}\n</code>"
     feedback = coding.environment.respond(apps_problems[0], transcript)
     assert feedback.startswith("<feedback>\npassed 0 of 3 tests")
