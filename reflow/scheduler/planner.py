@@ -88,27 +88,32 @@ TIE = 0.02
 
 def least_squares_slope(points: list[tuple[int, float]]) -> float:
     """The slope of the least-squares line through (x, y) points; 0 with fewer than two distinct x."""
-    if len(points) < 2:
-        return 0.0
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+    return _least_squares(points)[0]
 
 
 def significant_slope(points: list[tuple[int, float]], t: float = 2.0) -> float:
     """The least-squares slope where it stands out of the points' scatter (at least ``t`` standard errors from 0),
     else 0: two points always fit a line, and a stationary but noisy series has a slope in every sample of it.
     With exactly collinear points (no scatter) any slope stands out."""
-    slope = least_squares_slope(points)
-    if len(points) < 3 or slope == 0.0:
-        return slope
+    slope, error = _least_squares(points)
+    return slope if error is None or abs(slope) >= t * error else 0.0
+
+
+def _least_squares(points: list[tuple[int, float]]) -> tuple[float, float | None]:
+    """(slope, its standard error) of the least-squares line; the error is None where there is no scatter to
+    judge by (fewer than three points) and the slope 0 with fewer than two distinct x."""
+    if len(points) < 2:
+        return 0.0, None
     mean_x = sum(x for x, _ in points) / len(points)
     mean_y = sum(y for _, y in points) / len(points)
     spread = sum((x - mean_x) ** 2 for x, _ in points)
+    if not spread:
+        return 0.0, None
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    if len(points) < 3:
+        return slope, None
     residuals = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in points)
-    error = (residuals / (len(points) - 2) / spread) ** 0.5
-    return slope if abs(slope) >= t * error else 0.0
+    return slope, (residuals / (len(points) - 2) / spread) ** 0.5
 
 
 @dataclass(frozen=True)
@@ -434,7 +439,7 @@ class PlacementPlanner:
     # ---- steps 7 and 8 ---------------------------------------------------------------------
 
     def remember(self, replicas: int, step: int, production: float, consumption: float,
-                 window: WindowMeasurement | None = None) -> None:
+                 window: WindowMeasurement) -> None:
         """Blend one window's p and c into the current placement's own rates, and add its sums to the stay's
         (step 7; off at memory_steps 0). The first measured window in a placement, after the run's start or a
         change, is left out: it carries the start-up or the transition (on the live trainer-heavy bench 2
@@ -446,11 +451,8 @@ class PlacementPlanner:
             self.settled = True
             return
         old, weight = self.by_placement.get(replicas), self.settings.ema
-        sums = (0.0, 0.0, 0.0, 0.0)
-        if window is not None:
-            sums = (window.useful_tokens, window.rollout_busy_s, window.trained_tokens,
-                    window.seconds - window.trainer_wait_s)
-        if old is not None and old.step > self.last_change_step:  # the same stay (a new one starts afresh)
+        sums = (window.useful_tokens, window.rollout_busy_s, window.trained_tokens, window.seconds - window.trainer_wait_s)
+        if self.in_this_stay(old):  # (a new stay starts afresh)
             production = (1 - weight) * old.production + weight * production
             consumption = (1 - weight) * old.consumption + weight * consumption
             sums = tuple(a + b for a, b in zip(sums, (old.stay_useful_tokens, old.stay_busy_s, old.stay_trained_tokens,
@@ -465,11 +467,14 @@ class PlacementPlanner:
         was the transition's and left out, on the all-windows rates, and tried it again two windows later; the
         rollout-bound one went between 1 and 2 replicas every 4 steps for 80 steps, judging each placement it
         came back to on the smoothed rates of the moment it had last left it.)"""
-        own = self.by_placement.get(replicas)
         return (
-            self.settings.memory_steps > 0 and (own is None or own.step <= self.last_change_step)
+            self.settings.memory_steps > 0 and not self.in_this_stay(self.by_placement.get(replicas))
             and step - self.last_change_step < 2 * self.settings.cooldown_steps
         )
+
+    def in_this_stay(self, own: PlacementRates | None) -> bool:
+        """Whether a placement's own rates were measured since the last change (in the run's current stay)."""
+        return own is not None and own.step > self.last_change_step
 
     def forget(self, step: int) -> None:
         """Drop the rates of placements whose newest window is ``memory_steps`` or more steps old: the workload
