@@ -1,9 +1,10 @@
 """The simulator's commands.
 
     python -m reflow.sim fit --metrics outputs/bench/*/metrics.jsonl [--name tiny-cpu] [--warmup-steps 5] [--out profile.json]
-    python -m reflow.sim validate [--real outputs/bench/modes.json] [--fit-on async] [--out outputs/sim/validate.json]
+    python -m reflow.sim validate [--real outputs/bench/modes.json] [--fit-on async] [--sim-seeds 16]
+                                  [--out outputs/sim/validate.json]
     python -m reflow.sim predict --config X [--world N] [--profile tiny-cpu | --fit metrics.jsonl] [--mode M|all]
-                                 [--section.key=value ...]
+                                 [--seeds 8] [--section.key=value ...]
     python -m reflow.sim compare [--scales 8,32,128] [--steps 24] [--out outputs/sim/compare.json]
 
 fit       a cost profile from a real decoupled run's metrics.jsonl (``reflow.sim.profiles.fit_profile``)
@@ -13,7 +14,8 @@ validate  replays the modes benchmark's configuration (the config its JSON names
           hours) with a tiny-cpu profile fitted
           on its own runs (every seed the benchmark kept, pooled) and the groups of lengths they wrote, or with
           ``--fit-on MODE`` every mode from that one mode's runs (a prediction of the modes it has not seen),
-          and reports each mode's error against its measured values (the mean over its seeds; one run's own
+          and reports each mode's error against its measured values (the mean over its seeds, set against the
+          mean of as many simulations with their own random streams, at least ``--sim-seeds``; one run's own
           trainer speed drifts by about a tenth from the next one's on a shared machine, which a profile fitted
           on another run cannot know): relative for tokens/s, loss-weighted tokens/s and
           fresh samples/s, absolute for the idle ratios, the replay fraction and the evicted fraction
@@ -49,7 +51,7 @@ import time
 from reflow.distributed.placement import parse_placement_name
 from reflow.sim.predict import PREDICTED, predict, sim_config, workload_of, world_of
 from reflow.sim.profiles import PROFILES, QWEN3_8B_H800, fit_profile, with_engine_settings
-from reflow.sim.system import SimConfig, simulate, simulate_job
+from reflow.sim.system import SimConfig, simulate_job, simulate_seeds
 from reflow.sim.workload import REASONING_DRIFT, chain_sum_prompt_tokens, chain_sum_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,6 +87,9 @@ def _bench_config(real: dict) -> dict:
 def cmd_validate(args) -> int:
     if args.fit_on and args.fit_on not in MODES:
         print(f"reflow.sim validate: --fit-on must be one of {', '.join(MODES)}, got {args.fit_on!r}", file=sys.stderr)
+        return 2
+    if args.sim_seeds < 1:
+        print(f"reflow.sim validate: --sim-seeds must be at least 1, got {args.sim_seeds}", file=sys.stderr)
         return 2
     if not os.path.exists(args.real):
         print(f"reflow.sim validate: {args.real} not found: run `python -m reflow.bench modes` first", file=sys.stderr)
@@ -143,8 +148,12 @@ def cmd_validate(args) -> int:
         ) if groups else dataset
         # the bench's shape (its world and split), every other setting as ``predict`` reads it from the config
         # (macro_steps 1: the live engine's granularity, admission and commands after every decode step)
-        sim = simulate(sim_config(cfg, world, steps, bench["warmup"], mode, rollout_ranks=bench["rollout_ranks"]),
-                       profiles[source], workload)
+        # as many simulated seeds as the mode's measured ones, or ``--sim-seeds`` when more (the mean of one
+        # simulation's draws is noisier than the mean of the seeds measured)
+        sim = simulate_seeds(
+            sim_config(cfg, world, steps, bench["warmup"], mode, rollout_ranks=bench["rollout_ranks"]),
+            profiles[source], workload, seeds=max(args.sim_seeds, len(runs[mode])),
+        )
         throughput = abs(sim["tokens_per_s"] - measured["tokens_per_s"]) / measured["tokens_per_s"]
         idle = max(abs(sim["trainer_idle_ratio"] - measured["trainer_idle_ratio"]),
                    abs(sim["rollout_idle_ratio"] - measured["rollout_idle_ratio"]))
@@ -163,12 +172,14 @@ def cmd_validate(args) -> int:
             errors[key] = abs(simulated[key] - value) if absolute else abs(simulated[key] - value) / max(abs(value), 1e-9)
         detail[mode] = {
             "measured": observed, "simulated": simulated, "errors": errors, "worst_error": max(errors.values()),
-            "throughput_error": throughput, "idle_error": idle,
+            "throughput_error": throughput, "idle_error": idle, "simulated_seeds": sim["seeds"],
+            "simulated_seed_sd": {k: sim["seed_sd"][k] for k in observed if k in sim["seed_sd"]},
         }
     result = {
         "command": "python -m reflow.sim validate" + (f" --fit-on {args.fit_on}" if args.fit_on else ""),
         "fitted_on": args.fit_on or "each mode's own runs",
         "seeds": {mode: len(paths) for mode, paths in runs.items()},
+        "simulated_seeds": {mode: row["simulated_seeds"] for mode, row in detail.items()},
         "real": os.path.relpath(args.real, ROOT) if os.path.isabs(args.real) else args.real,
         "profiles": {source: profile.as_dict() for source, profile in profiles.items()},
         "workload": {
@@ -284,6 +295,9 @@ def cmd_predict(args) -> int:
     except ConfigError as error:
         print(f"reflow.sim predict: {error}", file=sys.stderr)
         return 2
+    if args.seeds < 1:
+        print(f"reflow.sim predict: --seeds must be at least 1, got {args.seeds}", file=sys.stderr)
+        return 2
     world = args.world or world_of(cfg)
     if not world:
         print(f"reflow.sim predict: {args.config} leaves placement.trainer_shard_degree to the world size: pass --world",
@@ -293,7 +307,10 @@ def cmd_predict(args) -> int:
         profile = fit_profile(args.fit, f"fitted from {len(args.fit)} run(s)") if args.fit else PROFILES[args.profile]
         workload = workload_of(cfg, ROOT, args.workload)
         modes = MODES if args.mode == "all" else (args.mode or cfg.training.mode,)
-        result = {mode: predict(cfg, world, profile, workload, args.steps, args.warmup_steps, mode) for mode in modes}
+        result = {
+            mode: predict(cfg, world, profile, workload, args.steps, args.warmup_steps, mode, seeds=args.seeds)
+            for mode in modes
+        }
     except (ValueError, OSError) as error:
         print(f"reflow.sim predict: {error}", file=sys.stderr)
         return 2
@@ -306,6 +323,7 @@ def cmd_predict(args) -> int:
     _write(args.out, {
         "command": "python -m reflow.sim predict", "config": args.config, "overrides": args.overrides, "world_size": world,
         "profile": profile.as_dict(), "workload": workload.name, "steps": args.steps, "warmup_steps": args.warmup_steps,
+        "seeds": args.seeds,
         "modes": result,
     })
     print(f"wrote {args.out}")
@@ -453,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     validate = sub.add_parser("validate", help="simulated against measured, on the modes benchmark")
     validate.add_argument("--real", default=os.path.join("outputs", "bench", "modes.json"))
     validate.add_argument("--fit-on", default="", help="fit every mode's profile and lengths on this mode's run (e.g. async)")
+    validate.add_argument("--sim-seeds", type=int, default=16,
+                          help="simulations per mode, averaged (at least as many as the mode's measured seeds)")
     validate.add_argument("--out", default=os.path.join("outputs", "sim", "validate.json"))
     pred = sub.add_parser("predict", help="a config that has not run")
     pred.add_argument("--config", required=True)
@@ -463,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     pred.add_argument("--workload", default="", help="a named workload for tasks whose rows are not chain_sum text")
     pred.add_argument("--steps", type=int, default=60)
     pred.add_argument("--warmup-steps", type=int, default=5)
+    pred.add_argument("--seeds", type=int, default=8, help="simulations with their own random streams, averaged")
     pred.add_argument("--out", default=os.path.join("outputs", "sim", "predict.json"))
     compare = sub.add_parser("compare", help="modes and placements at 8-128 GPUs")
     compare.add_argument("--scales", default="8,32,128")

@@ -21,7 +21,7 @@ import os
 
 from reflow.config.job_config import JobConfig
 from reflow.sim.profiles import CostProfile, with_engine_settings
-from reflow.sim.system import SimConfig, simulate
+from reflow.sim.system import SimConfig, simulate_seeds
 from reflow.sim.workload import REASONING_DRIFT, Workload, chain_sum_workload
 
 PREDICTED = (
@@ -93,8 +93,15 @@ def workload_of(cfg: JobConfig, root: str, named: str = "") -> Workload:
 
 
 def predict(cfg: JobConfig, world: int, profile: CostProfile, workload: Workload, steps: int, warmup_steps: int,
-            mode: str | None = None) -> dict:
-    """The simulator's prediction of ``cfg`` (in ``mode``): ``PREDICTED``, and the simulation's own summary."""
-    run = simulate(sim_config(cfg, world, steps, warmup_steps, mode), with_engine_settings(profile, cfg.rollout), workload)
+            mode: str | None = None, seeds: int = 1) -> dict:
+    """The simulator's prediction of ``cfg`` (in ``mode``): ``PREDICTED``, the mean over ``seeds`` simulations
+    (``simulate_seeds``), each value's standard deviation over them, and the summary itself."""
+    run = simulate_seeds(
+        sim_config(cfg, world, steps, warmup_steps, mode), with_engine_settings(profile, cfg.rollout), workload, seeds,
+    )
     run.pop("timeline", None)
-    return {"predicted": {key: run[key] for key in PREDICTED}, "simulation": run}
+    return {
+        "predicted": {key: run[key] for key in PREDICTED},
+        "seed_sd": {key: run["seed_sd"][key] for key in PREDICTED},
+        "simulation": run,
+    }

@@ -46,7 +46,7 @@ import heapq
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from reflow.algorithms.shaping import MAX_EXTRA_BATCHES
 from reflow.config.job_config import ReplaySection, RolloutSection, SchedulerSection, TrainingSection, WeightSyncSection
@@ -875,6 +875,30 @@ def simulate(cfg: SimConfig, profile: CostProfile, workload: Workload) -> dict:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def simulate_seeds(cfg: SimConfig, profile: CostProfile, workload: Workload, seeds: int) -> dict:
+    """The mean of ``seeds`` simulations of ``cfg`` that differ only in their random streams (seeds
+    ``cfg.seed``, ``cfg.seed + 1``, ...): every number of the summary averaged, the rest (the timeline, the
+    transitions) the first simulation's, and ``seeds`` and each number's standard deviation over the seeds
+    (``seed_sd``) added. One simulation draws its groups' lengths and its trainer's noise from one stream, and
+    on the long-tailed rollout-bound bench its fresh samples/s moves by 4-6% from one seed to the next (20
+    seeds of the async fit: 119.1 +- 4.8): a simulation set against the mean of several measured runs is
+    set against the mean of as many seeds or more."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be at least 1, got {seeds}")
+    runs = [simulate(replace(cfg, seed=cfg.seed + k), profile, workload) for k in range(seeds)]
+    numbers = [key for key, value in runs[0].items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    result = dict(runs[0])
+    deviations = {}
+    for key in numbers:
+        values = [run[key] for run in runs]
+        mean = sum(values) / seeds
+        result[key] = mean
+        deviations[key] = (sum((v - mean) ** 2 for v in values) / (seeds - 1)) ** 0.5 if seeds > 1 else 0.0
+    result["seeds"] = seeds
+    result["seed_sd"] = deviations
+    return result
 
 
 def simulate_job(job: tuple[SimConfig, CostProfile, Workload]) -> dict:
