@@ -101,6 +101,11 @@ class StepStats:
     """Loss tokens the masking off-policy correction dropped, as a share of the batch's loss tokens."""
     skipped_updates: int = 0
     """Optimizer updates of the step skipped for a non-finite loss or gradient norm."""
+    pass_tokens: int = 0
+    """The busiest trainer rank's token slots in its forward/backward passes, summed over the step's updates:
+    each micro-batch's rows times its width (its longest row), the zero-weight padding passes included. What
+    a train step's compute scales with: a long-tailed batch pads its passes to their longest rows, and
+    fewer rows per rank (more trainer ranks) pad more per token (``reflow.sim`` charges these)."""
 
     def as_row(self) -> dict:
         """The step row's keys (``reflow.modes.base.step_metrics``)."""
@@ -110,6 +115,7 @@ class StepStats:
         row["behavior_logprob_gap"] = row.pop("behavior_kl")
         row["behavior_logprob_gap_max"] = row.pop("max_abs_logprob_diff")
         row["entropy_mean"] = row.pop("entropy")
+        row["train_pass_tokens"] = row.pop("pass_tokens")
         return row
 
 
@@ -446,6 +452,7 @@ class PolicyTrainer:
         max_diff = torch.zeros(1, dtype=torch.float64)
         grad_norms, clipped_norms = [], []
         skipped = 0
+        pass_tokens = torch.zeros(1, dtype=torch.float64)
         for epoch in range(training.ppo_epochs):
             chunks = []
             for seg in segments:
@@ -464,6 +471,7 @@ class PolicyTrainer:
                 ]
                 stats = self._update(parts)
                 skipped += stats.pop("skipped")
+                pass_tokens += stats.pop("pass_tokens")
                 if epoch == training.ppo_epochs - 1:  # report the last pass
                     grad_norms.append(stats.pop("grad_norm"))
                     clipped_norms.append(stats.pop("grad_norm_clipped"))
@@ -471,6 +479,7 @@ class PolicyTrainer:
                     totals += torch.tensor([stats[k] for k in _STAT_KEYS], dtype=torch.float64)
         dist.all_reduce(totals, group=self.group)
         dist.all_reduce(max_diff, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(pass_tokens, op=dist.ReduceOp.MAX, group=self.group)
         total = dict(zip(_STAT_KEYS, totals.tolist()))
         tokens = max(total["tokens"], 1.0)
         gap_tokens, gap_max = tokens, max_diff.item()
@@ -495,6 +504,7 @@ class PolicyTrainer:
             max_abs_logprob_diff=gap_max,
             off_policy_dropped_frac=dropped[0].item() / max(dropped[1].item(), 1.0),
             skipped_updates=skipped,
+            pass_tokens=int(pass_tokens.item()),
         )
 
     def _update(self, parts: list[tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None]]) -> dict[str, float]:
@@ -518,6 +528,9 @@ class PolicyTrainer:
                 self._backward(mb, mb_old, mb_ref, den_v, stats)
         for mb in padding:
             self._backward(mb, None, None, den_v, stats, padding=True)
+        stats["pass_tokens"] = sum(mb.tokens.numel() for mbs in planned for _, mb in mbs) + sum(
+            mb.tokens.numel() for mb in padding
+        )
         training = self.training
         lr = training.lr * self.schedule.lr_factor(self.num_updates)
         for param_group in self.optimizer.param_groups:

@@ -1,5 +1,6 @@
 """1 rank: how many policy forwards a train step runs. One update per batch (ppo_epochs = num_minibatches = 1)
-needs no separate "old" log-prob forward; two minibatches do. Writes a JSON report to argv[1]."""
+needs no separate "old" log-prob forward; two minibatches do. And the token slots its passes compute
+(``StepStats.pass_tokens``) on rows of unequal length. Writes a JSON report to argv[1]."""
 
 import json
 import sys
@@ -30,7 +31,19 @@ for minibatches in (1, 2):
     calls = []
     trainer.model.register_forward_hook(lambda module, args, out: calls.append(1))
     stats = trainer.train_step(batch)
-    report[str(minibatches)] = {"forwards": len(calls), "clip_fraction": stats.clip_fraction, "loss": stats.loss}
+    report[str(minibatches)] = {
+        "forwards": len(calls), "clip_fraction": stats.clip_fraction, "loss": stats.loss, "pass_tokens": stats.pass_tokens,
+    }
+# rows of 4 prompt tokens and 2, 9, 3, 6 response tokens, two rows a pass: the passes hold the two shortest (6 and
+# 7 tokens) and the two longest (10 and 13), each padded to its longest row
+outputs = [[5] * n for n in (2, 9, 3, 6)]
+uneven = pack([[7, 8, 9, 10]] * 4, outputs, [[-1.0] * len(o) for o in outputs], [[0] * len(o) for o in outputs],
+              [1.0, -1.0, 1.0, -1.0], [1.0] * 4, [0.0] * 4, 0)
+cfg = JobConfig()
+cfg.training.micro_batch_size = 2
+trainer = PolicyTrainer.from_config(cfg, recipe, hf_dir, layouts, 1, device)
+report["uneven_pass_tokens"] = trainer.train_step(uneven).pass_tokens
+report["uneven_row"] = trainer.train_step(uneven).as_row()["train_pass_tokens"]
 with open(sys.argv[1], "w") as f:
     json.dump(report, f)
 exit_ranks()
