@@ -71,7 +71,8 @@ def sim_config(cfg: JobConfig, world: int, steps: int, warmup_steps: int, mode: 
         rho=scheduler.rho, response_percentile=scheduler.response_percentile, cooldown_steps=scheduler.cooldown_steps,
         margin=scheduler.margin, horizon_steps=scheduler.horizon_steps, warmup_steps=warmup_steps,
         strict_window=replay.strict_window, dynamic_sampling=cfg.reward.dynamic_sampling and mode != "one_step_off",
-        seed=cfg.job.seed, macro_steps=1,
+        seed=cfg.job.seed, macro_steps=1, micro_batch_size=cfg.training.micro_batch_size,
+        micro_batch_tokens=cfg.training.micro_batch_tokens,
     )
 
 

@@ -6,7 +6,9 @@ Engine step over n running sequences holding C context tokens, admitting p promp
     step_s = step_overhead_s + n x decode_token_s + C x context_token_s + p x prefill_token_s
 
 Trainer step on one trainer rank holding T tokens of the batch: train_overhead_s + T x train_token_s, plus
-train_collective_s when the trainer has more than one rank.
+train_collective_s when the trainer has more than one rank. T counts the rank's prompt and response tokens, or
+(a profile fitted on runs that log ``train_pass_tokens``) the token slots of its forward/backward passes:
+``CostProfile.charged_tokens``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ class CostProfile:
     worker_sync_s: float = 0.0
     """A rollout worker's seconds per weight sync beyond the broadcast the trainer times (the engine's reload):
     its requests in flight wait them out, neither busy nor idle."""
+    train_token_basis: str = "tokens"
+    """What ``train_token_s`` is per: "tokens", a rank's prompt and response tokens, or "pass_slots", the token
+    slots of its forward/backward passes as the live trainer plans them (``plan_micro_batches``: rows grouped by
+    length, each pass padded to its longest row; the live rows' ``train_pass_tokens``). On the long-tailed
+    rollout-bound bench a pass of 32 rows computes 1.6x the rows' tokens on one trainer rank and 2.5x on each of
+    two (fewer rows a rank, so each pass is padded to a rarer maximum): per token, a 2-rank sync trainer is
+    1.8x slower than async's 1-rank one, which a per-token cost fitted on async cannot see."""
     train_time_ratios: tuple[float, ...] = ()
     """Measured train-step seconds over the fit's prediction, one per step: a simulated step's train time is
     the prediction times one of them, drawn at random (none: exactly the prediction). On a loaded machine a
@@ -63,6 +72,20 @@ class CostProfile:
         if ranks > 1:
             seconds += self.train_collective_s
         return seconds * (rng.choice(self.train_time_ratios) if self.train_time_ratios else 1.0)
+
+    def charged_tokens(self, row_tokens: list[int], micro_batch_size: int, micro_batch_tokens: int = 0) -> int:
+        """The T of ``train_seconds`` for one rank's rows (each row's prompt and response tokens): their sum, or
+        under the "pass_slots" basis the slots of the passes ``plan_micro_batches`` makes of them (a simulation
+        that does not know the micro-batch size, 0, charges the sum). The zero-weight passes that keep the
+        ranks' pass counts equal are left out (a row of one prompt each)."""
+        if self.train_token_basis != "pass_slots" or micro_batch_size < 1 or not row_tokens:
+            return sum(row_tokens)
+        from reflow.trainer.batch import plan_micro_batches  # (torch: only where a profile charges passes)
+
+        return sum(
+            len(rows) * max(row_tokens[i] for i in rows)
+            for rows in plan_micro_batches(row_tokens, micro_batch_size, micro_batch_tokens)
+        )
 
     def step_seconds(self, sequences: int, context_tokens: int, prefill_tokens: int = 0) -> float:
         return (
@@ -156,7 +179,8 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
                 rollout_sampled_tokens was logged is fitted on rollout_step_sequences instead, the requests in
                 flight summed over the steps: queued ones included, so on a KV-bound run a per-sequence cost fitted
                 on it is many times too small for the running sequences it is charged on
-      trainer   train_time_s of each step against 1, its tokens per trainer rank and whether the trainer had
+      trainer   train_time_s of each step against 1, the token slots of its busiest rank's passes
+                (``train_pass_tokens``, where every step logs them; else its tokens per trainer rank) and whether the trainer had
                 more than one rank (the collectives); each step's measured time over that prediction (the
                 noise a simulated step draws from); the median of the step's seconds outside its wait, its
                 train step and its sync (the fixed costs)
@@ -190,7 +214,12 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
     overhead, per_sequence = engine[:2]
     prefill = engine[2] if prefills else base.prefill_token_s
     ranks = [trainer_ranks(r["placement"]) for r in steps]
-    columns = [(1.0, r["trainer_tokens"] / n, 1.0 if n > 1 else 0.0) for r, n in zip(steps, ranks)]
+    # per token slot of the busiest rank's passes where every step logs them, else per token of a rank's mean share
+    passes = all("train_pass_tokens" in r for r in steps)
+    columns = [
+        (1.0, r["train_pass_tokens"] if passes else r["trainer_tokens"] / n, 1.0 if n > 1 else 0.0)
+        for r, n in zip(steps, ranks)
+    ]
     if not any(c[2] for c in columns):
         columns = [c[:2] for c in columns]
     coefficients = _least_squares(columns, [r["train_time_s"] for r in steps])
@@ -255,6 +284,7 @@ def fit_profile(metrics_paths: list[str], name: str, base: CostProfile = TINY_CP
         train_overhead_s=train_overhead,
         train_token_s=per_token,
         train_collective_s=collective,
+        train_token_basis="pass_slots" if passes else "tokens",
         weight_sync_s=weight_sync,
         transition_s=sum(changes) / len(changes) if changes else base.transition_s,
         step_fixed_s=step_fixed,

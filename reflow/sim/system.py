@@ -117,6 +117,11 @@ class SimConfig:
     """reward.dynamic_sampling: groups without reward signal (``Workload.no_signal_fraction``) are filtered, in
     the decoupled modes by the live shards, in sync by extra rounds of generation (as ``SyncMode``)."""
     seed: int = 0
+    micro_batch_size: int = 0
+    """training.micro_batch_size: rows a forward/backward pass (0: not known; a profile fitted on the passes' token
+    slots then charges plain tokens)."""
+    micro_batch_tokens: int = 0
+    """training.micro_batch_tokens (``plan_micro_batches``)."""
     macro_steps: int = 32
     """Decode steps an engine step may run at most (admission and commands run between engine steps): 1 is the
     live engine's granularity; more is faster to simulate."""
@@ -383,8 +388,10 @@ class SimTrainer:
 
     def train(self, plans: list[BatchPlan], version: int) -> dict:
         sim, profile = self.sim, self.sim.profile
-        rank_tokens = [sum(len(s.prompt_ids) + len(s.output_ids) for s in plan.fresh + plan.replayed) for plan in plans]
-        train_end = sim.clock + profile.step_fixed_s + profile.train_seconds(max(rank_tokens), len(plans), sim.train_rng)
+        rows = [[len(s.prompt_ids) + len(s.output_ids) for s in plan.fresh + plan.replayed] for plan in plans]
+        rank_tokens = [sum(r) for r in rows]
+        charged = max(profile.charged_tokens(r, sim.cfg.micro_batch_size, sim.cfg.micro_batch_tokens) for r in rows)
+        train_end = sim.clock + profile.step_fixed_s + profile.train_seconds(charged, len(plans), sim.train_rng)
         sim._run_workers_to(train_end)
         sim.clock = train_end
         return {"rank_tokens": rank_tokens}
@@ -802,18 +809,18 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
         start = clock
         busy0, idle0 = sum(e.busy_s for e in engines), sum(e.idle_s for e in engines)
         steps0, sequences0 = sum(e.engine_steps for e in engines), sum(e.step_sequences for e in engines)
-        tokens = [0] * cfg.gpus  # trained: the kept groups' prompt and response tokens, per GPU
+        rows: list[list[int]] = [[] for _ in range(cfg.gpus)]  # trained: each kept sample's tokens, per GPU
         response_tokens = 0  # and their response tokens, all GPUs
         kept = generated_groups = rounds = 0
         round_start = start
         while True:
             count = cfg.prompts_per_step - kept  # the whole P first, then what is missing
-            group_tokens: dict[str, tuple[int, int, int]] = {}  # group -> (GPU, tokens, response tokens)
+            group_tokens: dict[str, tuple[int, list[int], int]] = {}  # group -> (GPU, each sample's tokens, responses)
             round_draws = list(range(draws, draws + count))
             draws += count
             for prompt, draw in enumerate(round_draws):
                 rank, group = prompt % cfg.gpus, f"g{draw}"
-                group_tokens[group] = (rank, 0, 0)
+                group_tokens[group] = (rank, [], 0)
                 prompt_tokens, lengths = workload.draw_group(rng, step - 1, cfg.group_size)
                 prompt_ids = [0] * prompt_tokens
                 for k, target in enumerate(lengths):
@@ -823,16 +830,15 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
                 engine.clock = round_start
                 while engine.num_active:
                     for req in engine.step():
-                        rank, so_far, response = group_tokens[req.meta["group"]]
-                        group_tokens[req.meta["group"]] = (
-                            rank, so_far + len(req.prompt_ids) + len(req.output_ids), response + len(req.output_ids),
-                        )
+                        rank, samples, response = group_tokens[req.meta["group"]]
+                        samples.append(len(req.prompt_ids) + len(req.output_ids))
+                        group_tokens[req.meta["group"]] = (rank, samples, response + len(req.output_ids))
             generated = max(engine.clock for engine in engines)
             generated_groups += count
             for draw in round_draws:
                 if not cfg.dynamic_sampling or workload.has_signal(cfg.seed, draw):
-                    rank, group_total, group_response = group_tokens[f"g{draw}"]
-                    tokens[rank] += group_total
+                    rank, samples, group_response = group_tokens[f"g{draw}"]
+                    rows[rank].extend(samples)
                     response_tokens += group_response
                     kept += 1
             if not cfg.dynamic_sampling or kept >= cfg.prompts_per_step or rounds == MAX_EXTRA_BATCHES:
@@ -842,14 +848,15 @@ def simulate_sync(cfg: SimConfig, profile: CostProfile, workload: Workload) -> d
                 engine.idle_s += generated - engine.clock
                 engine.clock = generated
             round_start = generated
-        train = profile.train_seconds(max(tokens), cfg.gpus, train_rng)
+        charged = max(profile.charged_tokens(r, cfg.micro_batch_size, cfg.micro_batch_tokens) for r in rows)
+        train = profile.train_seconds(charged, cfg.gpus, train_rng)
         sync = profile.weight_sync_s + profile.worker_sync_s  # the gather, then each GPU reloads its own engine
         clock = generated + train + profile.step_fixed_s + sync
         for engine in engines:  # each waits for the slowest, then for training and the sync
             engine.idle_s += clock - engine.clock
             engine.clock = clock
         records.append(StepRecord(
-            step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(tokens), sync_s=sync,
+            step=step, start=start, end=clock, wait_s=generated - start, trainer_tokens=sum(map(sum, rows)), sync_s=sync,
             received=generated_groups * cfg.group_size, fresh=kept * cfg.group_size, replayed=0,
             filtered=(generated_groups - kept) * cfg.group_size,
             rollout_busy_s=sum(e.busy_s for e in engines) - busy0, rollout_idle_s=sum(e.idle_s for e in engines) - idle0,

@@ -181,6 +181,37 @@ def test_fit_recovers_the_costs_of_a_synthetic_run(tmp_path, logs_sampled):
     assert profile.train_time_ratios == pytest.approx([1.0] * 20)  # every step exactly as predicted
 
 
+def test_a_profile_fitted_on_pass_slots_charges_the_passes_the_trainer_plans(tmp_path):
+    """Runs that log ``train_pass_tokens`` are fitted per token slot of the busiest rank's passes, and the
+    simulator then charges a rank the slots of the passes ``plan_micro_batches`` makes of its rows: a
+    long-tailed row pads its pass, and the same rows split over two ranks pad more per token."""
+    rows = []
+    for step in range(1, 13):
+        slots = 3000 + 250 * step
+        rows.append({
+            "step": step, "placement": "T1x1+R1", "rollout_engine_steps": 40 + step, "rollout_sampled_tokens": 400 + 9 * step,
+            "rollout_prefilled_tokens": 300 + step % 4, "rollout_busy_s": 0.2 + 0.01 * step,
+            "trainer_tokens": 1000 + 7 * (step % 5), "train_pass_tokens": slots, "train_time_s": 0.02 + 0.0001 * slots,
+            "weight_sync_s": 0.0, "trainer_wait_s": 0.5, "step_time_s": 0.9 + 0.01 * step,
+        })
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    profile = fit_profile([str(path)], "passes")
+    assert profile.train_token_basis == "pass_slots"
+    assert profile.train_token_s == pytest.approx(0.0001) and profile.train_overhead_s == pytest.approx(0.02)
+    # rows of 10, 12, 11 and 90 tokens, two a pass: (10, 11) padded to 11 and (12, 90) to 90
+    assert profile.charged_tokens([10, 12, 11, 90], micro_batch_size=2) == 2 * 11 + 2 * 90
+    assert profile.charged_tokens([10, 12, 11, 90], micro_batch_size=4) == 4 * 90
+    assert profile.charged_tokens([10, 12, 11, 90], micro_batch_size=0) == 123  # the size unknown: the tokens
+    # a run without the slots is fitted per token, and charges tokens whatever the micro-batches
+    for row in rows:
+        del row["train_pass_tokens"]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    per_token = fit_profile([str(path)], "tokens")
+    assert per_token.train_token_basis == "tokens"
+    assert per_token.charged_tokens([10, 12, 11, 90], micro_batch_size=2) == 123
+
+
 def test_a_colocated_sync_is_the_gather_and_its_own_engines_reload(tmp_path):
     """Sync mode's weight sync gathers, then each rank reloads its own engine: the simulator charges a sync step
     weight_sync_s + worker_sync_s. Fitted from a colocated run, whose sync holds both parts, the profile takes
