@@ -2,7 +2,7 @@
 
     python -m reflow.sim fit --metrics outputs/bench/*/metrics.jsonl [--name tiny-cpu] [--warmup-steps 5] [--out profile.json]
     python -m reflow.sim validate [--real outputs/bench/modes.json] [--fit-on async] [--sim-seeds 16]
-                                  [--out outputs/sim/validate.json]
+                                  [--pairing seed|pooled] [--out outputs/sim/validate.json]
     python -m reflow.sim predict --config X [--world N] [--profile tiny-cpu | --fit metrics.jsonl] [--mode M|all]
                                  [--seeds 8] [--section.key=value ...]
     python -m reflow.sim compare [--scales 8,32,128] [--steps 24] [--out outputs/sim/compare.json]
@@ -15,7 +15,9 @@ validate  replays the modes benchmark's configuration (the config its JSON names
           on its own runs (every seed the benchmark kept, pooled) and the groups of lengths they wrote, or with
           ``--fit-on MODE`` every mode from that one mode's runs (a prediction of the modes it has not seen),
           and reports each mode's error against its measured values (the mean over its seeds, set against the
-          mean of as many simulations with their own random streams, at least ``--sim-seeds``; one run's own
+          mean of at least ``--sim-seeds`` simulations with their own random streams; paired by seed, the
+          default, each seed's simulations use the profile and lengths of that seed's source run, which the
+          bench ran minutes from the runs they predict, and pooled, one profile fitted on every seed's; one run's own
           trainer speed drifts by about a tenth from the next one's on a shared machine, which a profile fitted
           on another run cannot know): relative for tokens/s, loss-weighted tokens/s and
           fresh samples/s, absolute for the idle ratios, the replay fraction and the evicted fraction
@@ -51,7 +53,7 @@ import time
 from reflow.distributed.placement import parse_placement_name
 from reflow.sim.predict import PREDICTED, predict, sim_config, workload_of, world_of
 from reflow.sim.profiles import PROFILES, QWEN3_8B_H800, fit_profile, with_engine_settings
-from reflow.sim.system import SimConfig, simulate_job, simulate_seeds
+from reflow.sim.system import SimConfig, average_runs, simulate, simulate_job
 from reflow.sim.workload import REASONING_DRIFT, chain_sum_prompt_tokens, chain_sum_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -115,45 +117,65 @@ def cmd_validate(args) -> int:
         return 2
     # a profile per mode: the component costs (an engine step, a train step, a sync, the loops' own seconds, the
     # trainer's noise) measured in the runs the simulation stands for, and the system's behaviour predicted from
-    # them; with --fit-on, every mode from that one mode's runs
+    # them; with --fit-on, every mode from that one mode's runs. Paired by seed, each seed's runs are one unit: the
+    # profile and lengths of that seed's source run, set against that seed's run of the mode (the bench runs a
+    # seed's modes back to back, minutes apart, and this machine's speed drifts by a quarter between hours);
+    # pooled, every seed's runs are one unit
     sources = {mode: args.fit_on or mode for mode in modes}
+    paired = args.pairing == "seed" and len({len(paths) for paths in runs.values()}) == 1
+    units = range(len(runs[modes[0]])) if paired else [None]
+    sent = {mode: [_sent(path) for path in runs[mode]] for mode in modes}
+
+    def pick(values: list, unit: int | None) -> list:
+        return values if unit is None else [values[unit]]
+
     try:
         profiles = {
-            source: with_engine_settings(
-                fit_profile(runs[source], f"tiny-cpu {source} (fitted)", warmup_steps=bench["warmup"]), cfg.rollout,
+            (source, unit): with_engine_settings(
+                fit_profile(pick(runs[source], unit), f"tiny-cpu {source} (fitted)", warmup_steps=bench["warmup"]),
+                cfg.rollout,
             )
-            for source in set(sources.values())
+            for source in set(sources.values()) for unit in units
         }
     except ValueError as error:  # a benchmark from before sync mode logged its engines' window, or a short one
         print(f"reflow.sim validate: {error}: run `python -m reflow.bench modes` again", file=sys.stderr)
         return 2
     dataset = chain_sum_workload(os.path.join(ROOT, cfg.task.train_file), cfg.rollout.max_new_tokens)
     prompt_tokens = chain_sum_prompt_tokens(os.path.join(ROOT, cfg.task.train_file))
-    sent = {mode: [_sent(path) for path in runs[mode]] for mode in modes}
     detail, throughput_errors, idle_errors = {}, [], []
     for mode in modes:
         measured = real["modes"][mode]  # the means over the seeds
-        # the groups of lengths the policy wrote in these runs (it is not the dataset's answers: the tiny model
-        # stops short of the longest chains), from their ledgers; sync mode keeps none, so it draws from the
-        # groups the decoupled runs finished over the steps it ran (the same task and starting policy, at the
-        # same stage of training: the lengths move as the policy learns)
-        steps = int(round(measured["steps"]))
         source = sources[mode]
-        groups = [
-            group for run in sent[source] for group in _group_lengths(run, max_version=None if source == mode else steps)
-        ] or [group for other in modes if other != "sync" for run in sent[other] for group in _group_lengths(run, steps)]
-        workload = dataclasses.replace(
-            dataset, empirical_groups=tuple(lengths for _, lengths in groups),
-            empirical_prompt_tokens=tuple(prompt_tokens.get(prompt, dataset.prompt_tokens) for prompt, _ in groups),
-        ) if groups else dataset
-        # the bench's shape (its world and split), every other setting as ``predict`` reads it from the config
-        # (macro_steps 1: the live engine's granularity, admission and commands after every decode step)
-        # as many simulated seeds as the mode's measured ones, or ``--sim-seeds`` when more (the mean of one
-        # simulation's draws is noisier than the mean of the seeds measured)
-        sim = simulate_seeds(
-            sim_config(cfg, world, steps, bench["warmup"], mode, rollout_ranks=bench["rollout_ranks"]),
-            profiles[source], workload, seeds=max(args.sim_seeds, len(runs[mode])),
-        )
+        per_seed = measured.get("per_seed") or [measured]
+        simulations = []
+        for unit in units:
+            # the steps the mode ran (that seed's run, paired), and the groups of lengths the policy wrote in the
+            # source runs (it is not the dataset's answers: the tiny model stops short of the longest chains),
+            # from their ledgers; sync mode keeps none, so it draws from the groups the decoupled runs finished
+            # over the steps it ran (the same task and starting policy, at the same stage of training: the
+            # lengths move as the policy learns)
+            steps = int(round(per_seed[unit]["steps"] if unit is not None else measured["steps"]))
+            groups = [
+                group for run in pick(sent[source], unit)
+                for group in _group_lengths(run, max_version=None if source == mode else steps)
+            ] or [
+                group for other in modes if other != "sync" for run in pick(sent[other], unit)
+                for group in _group_lengths(run, steps)
+            ]
+            workload = dataclasses.replace(
+                dataset, empirical_groups=tuple(lengths for _, lengths in groups),
+                empirical_prompt_tokens=tuple(prompt_tokens.get(prompt, dataset.prompt_tokens) for prompt, _ in groups),
+            ) if groups else dataset
+            # the bench's shape (its world and split), every other setting as ``predict`` reads it from the config
+            # (macro_steps 1: the live engine's granularity, admission and commands after every decode step);
+            # at least --sim-seeds simulations over the units, each with its own random stream
+            config = sim_config(cfg, world, steps, bench["warmup"], mode, rollout_ranks=bench["rollout_ranks"])
+            streams = max(1, -(-args.sim_seeds // len(units)))
+            simulations += [
+                simulate(dataclasses.replace(config, seed=config.seed + k), profiles[source, unit], workload)
+                for k in range(streams)
+            ]
+        sim = average_runs(simulations)
         throughput = abs(sim["tokens_per_s"] - measured["tokens_per_s"]) / measured["tokens_per_s"]
         idle = max(abs(sim["trainer_idle_ratio"] - measured["trainer_idle_ratio"]),
                    abs(sim["rollout_idle_ratio"] - measured["rollout_idle_ratio"]))
@@ -181,7 +203,9 @@ def cmd_validate(args) -> int:
         "seeds": {mode: len(paths) for mode, paths in runs.items()},
         "simulated_seeds": {mode: row["simulated_seeds"] for mode, row in detail.items()},
         "real": os.path.relpath(args.real, ROOT) if os.path.isabs(args.real) else args.real,
-        "profiles": {source: profile.as_dict() for source, profile in profiles.items()},
+        "pairing": "seed" if paired else "pooled",
+        "profiles": {f"{source} seed {unit}" if paired else source: profile.as_dict()
+                     for (source, unit), profile in profiles.items()},
         "workload": {
             "train_file": cfg.task.train_file, "prompt_tokens": dataset.prompt_tokens,
             "response_tokens": "the groups each run generated, drawn whole (its ledger; sync mode: the decoupled runs')",
@@ -472,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("--real", default=os.path.join("outputs", "bench", "modes.json"))
     validate.add_argument("--fit-on", default="", help="fit every mode's profile and lengths on this mode's run (e.g. async)")
     validate.add_argument("--sim-seeds", type=int, default=16,
-                          help="simulations per mode, averaged (at least as many as the mode's measured seeds)")
+                          help="simulations per mode, averaged (at least one per measured seed)")
+    validate.add_argument("--pairing", choices=("seed", "pooled"), default="seed",
+                          help="fit and simulate each seed's runs apart and average (seed), or pool every seed's runs")
     validate.add_argument("--out", default=os.path.join("outputs", "sim", "validate.json"))
     pred = sub.add_parser("predict", help="a config that has not run")
     pred.add_argument("--config", required=True)

@@ -886,24 +886,26 @@ def simulate(cfg: SimConfig, profile: CostProfile, workload: Workload) -> dict:
 
 def simulate_seeds(cfg: SimConfig, profile: CostProfile, workload: Workload, seeds: int) -> dict:
     """The mean of ``seeds`` simulations of ``cfg`` that differ only in their random streams (seeds
-    ``cfg.seed``, ``cfg.seed + 1``, ...): every number of the summary averaged, the rest (the timeline, the
-    transitions) the first simulation's, and ``seeds`` and each number's standard deviation over the seeds
-    (``seed_sd``) added. One simulation draws its groups' lengths and its trainer's noise from one stream, and
-    on the long-tailed rollout-bound bench its fresh samples/s moves by 4-6% from one seed to the next (20
-    seeds of the async fit: 119.1 +- 4.8): a simulation set against the mean of several measured runs is
-    set against the mean of as many seeds or more."""
+    ``cfg.seed``, ``cfg.seed + 1``, ...): ``average_runs`` of them. One simulation draws its groups' lengths and
+    its trainer's noise from one stream, and on the long-tailed rollout-bound bench its fresh samples/s moves by
+    4-6% from one seed to the next (20 seeds of the async fit: 119.1 +- 4.8): a simulation set against the mean
+    of several measured runs is set against the mean of as many seeds or more."""
     if seeds < 1:
         raise ValueError(f"seeds must be at least 1, got {seeds}")
-    runs = [simulate(replace(cfg, seed=cfg.seed + k), profile, workload) for k in range(seeds)]
+    return average_runs([simulate(replace(cfg, seed=cfg.seed + k), profile, workload) for k in range(seeds)])
+
+
+def average_runs(runs: list[dict]) -> dict:
+    """Simulation summaries as one: every number averaged, the rest (the timeline, the transitions) the first
+    run's, with ``seeds`` (how many) and ``seed_sd`` (each number's standard deviation over them) added."""
     numbers = [key for key, value in runs[0].items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
-    result = dict(runs[0])
-    deviations = {}
+    result, deviations, count = dict(runs[0]), {}, len(runs)
     for key in numbers:
         values = [run[key] for run in runs]
-        mean = sum(values) / seeds
+        mean = sum(values) / count
         result[key] = mean
-        deviations[key] = (sum((v - mean) ** 2 for v in values) / (seeds - 1)) ** 0.5 if seeds > 1 else 0.0
-    result["seeds"] = seeds
+        deviations[key] = (sum((v - mean) ** 2 for v in values) / (count - 1)) ** 0.5 if count > 1 else 0.0
+    result["seeds"] = count
     result["seed_sd"] = deviations
     return result
 

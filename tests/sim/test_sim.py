@@ -212,6 +212,22 @@ def test_a_profile_fitted_on_pass_slots_charges_the_passes_the_trainer_plans(tmp
     assert per_token.charged_tokens([10, 12, 11, 90], micro_batch_size=2) == 123
 
 
+@pytest.mark.parametrize("mode", ["sync", "reflow"])
+def test_the_simulated_trainer_pays_for_the_padding_of_its_passes(mode):
+    """Under the pass-slot basis a long-tailed batch in passes of 16 rows costs more train time than in passes
+    of one row (where the slots are the tokens), in sync's per-GPU steps and the decoupled trainer role alike;
+    under the per-token basis the micro-batch size changes nothing."""
+    slots = CostProfile(**{**PROFILE.as_dict(), "train_token_basis": "pass_slots", "train_token_s": 0.005})
+    cfg = SimConfig(mode=mode, gpus=2, prompts_per_step=4, group_size=4, steps=6, warmup_steps=1)
+    unpadded = simulate(dataclasses.replace(cfg, micro_batch_size=1), slots, WORKLOAD)
+    padded = simulate(dataclasses.replace(cfg, micro_batch_size=16), slots, WORKLOAD)
+    assert padded["tokens_per_s"] < 0.9 * unpadded["tokens_per_s"]
+    per_token = CostProfile(**{**slots.as_dict(), "train_token_basis": "tokens"})
+    assert simulate(dataclasses.replace(cfg, micro_batch_size=16), per_token, WORKLOAD)["tokens_per_s"] == (
+        simulate(dataclasses.replace(cfg, micro_batch_size=1), per_token, WORKLOAD)["tokens_per_s"]
+    )
+
+
 def test_a_colocated_sync_is_the_gather_and_its_own_engines_reload(tmp_path):
     """Sync mode's weight sync gathers, then each rank reloads its own engine: the simulator charges a sync step
     weight_sync_s + worker_sync_s. Fitted from a colocated run, whose sync holds both parts, the profile takes
