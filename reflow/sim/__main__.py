@@ -109,7 +109,7 @@ def cmd_validate(args) -> int:
               f"{', '.join(modes)})", file=sys.stderr)
         return 2
     # every seed's run the benchmark kept: the first seed's beside the JSON, the others under seedN/
-    runs = {mode: _seed_runs(work_dir, mode, real["modes"][mode]) for mode in modes}
+    runs = {mode: _seed_runs(work_dir, mode, real["modes"][mode]) for mode in modes}  # mode -> {seed: path}
     missing = [mode for mode, paths in runs.items() if not paths]
     if missing:
         print(f"reflow.sim validate: no run of {', '.join(missing)} beside {args.real}: run `python -m reflow.bench "
@@ -122,12 +122,13 @@ def cmd_validate(args) -> int:
     # seed's modes back to back, minutes apart, and this machine's speed drifts by a quarter between hours);
     # pooled, every seed's runs are one unit
     sources = {mode: args.fit_on or mode for mode in modes}
-    paired = args.pairing == "seed" and len({len(paths) for paths in runs.values()}) == 1
-    units = range(len(runs[modes[0]])) if paired else [None]
-    sent = {mode: [_sent(path) for path in runs[mode]] for mode in modes}
+    # (paired only where every seed a mode ran has its source's run of the same seed)
+    paired = args.pairing == "seed" and all(set(runs[mode]) <= set(runs[sources[mode]]) for mode in modes)
+    units = {mode: sorted(runs[mode]) if paired else [None] for mode in modes}
+    sent = {mode: {seed: _sent(path) for seed, path in runs[mode].items()} for mode in modes}
 
-    def pick(values: list, unit: int | None) -> list:
-        return values if unit is None else [values[unit]]
+    def pick(by_seed: dict, unit: int | None) -> list:
+        return list(by_seed.values()) if unit is None else [by_seed[unit]] if unit in by_seed else []
 
     try:
         profiles = {
@@ -135,7 +136,7 @@ def cmd_validate(args) -> int:
                 fit_profile(pick(runs[source], unit), f"tiny-cpu {source} (fitted)", warmup_steps=bench["warmup"]),
                 cfg.rollout,
             )
-            for source in set(sources.values()) for unit in units
+            for source, unit in {(sources[mode], unit) for mode in modes for unit in units[mode]}
         }
     except ValueError as error:  # a benchmark from before sync mode logged its engines' window, or a short one
         print(f"reflow.sim validate: {error}: run `python -m reflow.bench modes` again", file=sys.stderr)
@@ -146,9 +147,9 @@ def cmd_validate(args) -> int:
     for mode in modes:
         measured = real["modes"][mode]  # the means over the seeds
         source = sources[mode]
-        per_seed = measured.get("per_seed") or [measured]
-        simulations = []
-        for unit in units:
+        per_seed = {run.get("seed", 0): run for run in measured.get("per_seed", [])}
+        simulations, by_seed = [], {}
+        for unit in units[mode]:
             # the steps the mode ran (that seed's run, paired), and the groups of lengths the policy wrote in the
             # source runs (it is not the dataset's answers: the tiny model stops short of the longest chains),
             # from their ledgers; sync mode keeps none, so it draws from the groups the decoupled runs finished
@@ -170,11 +171,18 @@ def cmd_validate(args) -> int:
             # (macro_steps 1: the live engine's granularity, admission and commands after every decode step);
             # at least --sim-seeds simulations over the units, each with its own random stream
             config = sim_config(cfg, world, steps, bench["warmup"], mode, rollout_ranks=bench["rollout_ranks"])
-            streams = max(1, -(-args.sim_seeds // len(units)))
-            simulations += [
+            streams = max(1, -(-args.sim_seeds // len(units[mode])))
+            unit_runs = [
                 simulate(dataclasses.replace(config, seed=config.seed + k), profiles[source, unit], workload)
                 for k in range(streams)
             ]
+            simulations += unit_runs
+            if unit is not None:  # each seed's throughputs, measured and simulated: what pairing can tell apart
+                unit_sim = average_runs(unit_runs)
+                by_seed[unit] = {
+                    key: {"measured": per_seed[unit].get(key), "simulated": unit_sim[key]}
+                    for key in ("tokens_per_s", "fresh_samples_per_s")
+                }
         sim = average_runs(simulations)
         throughput = abs(sim["tokens_per_s"] - measured["tokens_per_s"]) / measured["tokens_per_s"]
         idle = max(abs(sim["trainer_idle_ratio"] - measured["trainer_idle_ratio"]),
@@ -183,7 +191,7 @@ def cmd_validate(args) -> int:
         idle_errors.append(idle)
         observed = {
             **{k: measured.get(k) for k in PREDICTED},
-            **_mean_detail([_measured_detail(path, bench["warmup"], run) for path, run in zip(runs[mode], sent[mode])]),
+            **_mean_detail([_measured_detail(path, bench["warmup"], sent[mode][seed]) for seed, path in runs[mode].items()]),
         }
         simulated = {k: sim.get(k, 0.0) for k in observed}
         errors = {}
@@ -196,6 +204,7 @@ def cmd_validate(args) -> int:
             "measured": observed, "simulated": simulated, "errors": errors, "worst_error": max(errors.values()),
             "throughput_error": throughput, "idle_error": idle, "simulated_seeds": sim["seeds"],
             "simulated_seed_sd": {k: sim["seed_sd"][k] for k in observed if k in sim["seed_sd"]},
+            "by_seed": by_seed,
         }
     result = {
         "command": "python -m reflow.sim validate" + (f" --fit-on {args.fit_on}" if args.fit_on else ""),
@@ -246,14 +255,15 @@ ABSOLUTE_ERROR_KEYS = frozenset({
 })
 
 
-def _seed_runs(work_dir: str, mode: str, summary: dict) -> list[str]:
+def _seed_runs(work_dir: str, mode: str, summary: dict) -> dict[int, str]:
     """The metrics.jsonl of every seed's run of ``mode`` that the benchmark kept in ``work_dir`` (``python -m
-    reflow.bench modes``: seed 0 at <mode>/, seed N at seedN/<mode>/), of the seeds its JSON summarizes."""
+    reflow.bench modes``: seed 0 at <mode>/, seed N at seedN/<mode>/), by seed, of the seeds its JSON summarizes."""
     seeds = [run.get("seed", 0) for run in summary.get("per_seed", [])] or [0]
-    paths = [
-        os.path.join(work_dir, mode if seed == 0 else os.path.join(f"seed{seed}", mode), "metrics.jsonl") for seed in seeds
-    ]
-    return [path for path in paths if os.path.exists(path)]
+    paths = {
+        seed: os.path.join(work_dir, mode if seed == 0 else os.path.join(f"seed{seed}", mode), "metrics.jsonl")
+        for seed in seeds
+    }
+    return {seed: path for seed, path in paths.items() if os.path.exists(path)}
 
 
 def _mean_detail(details: list[dict]) -> dict:

@@ -127,24 +127,30 @@ QWEN3_8B_H800 = CostProfile(
 )
 
 # The tiny Qwen3 on this project's 2-core CPU machines, one rank per core (job.cpu_affinity): fitted with
-# ``python -m reflow.sim fit`` from the four runs of the modes benchmark (train_configs/bench_modes.toml,
-# 2 ranks); see that command for how.
+# ``python -m reflow.sim fit --warmup-steps 5`` from the twelve runs of the modes benchmark on 2026-12-07
+# (train_configs/bench_modes.toml, 2 ranks, every mode, seeds 0-2), per token slot of the trainer's passes.
+# Its train_collective_s (a 2-rank trainer's seconds a step beyond its busiest rank's slots, from the sync runs)
+# is what a fit on a 1-rank trainer (async's) cannot see and takes from here.
 TINY_CPU = CostProfile(
     name="tiny-cpu",
-    source="python -m reflow.sim fit --metrics outputs/bench/{sync,one_step_off,async,reflow}/metrics.jsonl "
-    "(291 rollout windows, 580 steps, 2026-11-30); transition_s from tiny_elastic's transitions",
-    step_overhead_s=0.00236,
-    decode_token_s=0.000177,
+    source="python -m reflow.sim fit --warmup-steps 5 --metrics <bench_modes.toml: sync, one_step_off, async and "
+    "reflow, seeds 0-2>/metrics.jsonl (2026-12-07); transition_s from tiny_elastic's transitions",
+    step_overhead_s=0.00133,
+    decode_token_s=9.63e-05,
     context_token_s=0.0,
-    prefill_token_s=0.0,
+    prefill_token_s=3.03e-05,
     kv_budget_tokens=500_000,
     kv_block_size=128,
     max_num_seqs=256,
     train_overhead_s=0.0,
-    train_token_s=0.000227,
-    train_collective_s=0.204,
-    weight_sync_s=0.0145,
+    train_token_s=9.32e-05,
+    train_collective_s=0.0479,
+    weight_sync_s=0.00629,
     transition_s=0.3,
+    step_fixed_s=0.00112,
+    worker_tick_s=0.000102,
+    worker_sync_s=0.0138,
+    train_token_basis="pass_slots",
 )
 
 PROFILES = {profile.name: profile for profile in (TINY_CPU, QWEN3_8B_H800)}

@@ -96,10 +96,10 @@ def test_validate_reads_every_seed_the_bench_kept_and_each_groups_prompt(tmp_pat
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "metrics.jsonl").write_text("")
     summary = {"per_seed": [{"seed": 0}, {"seed": 1}, {"seed": 2}]}
-    assert _seed_runs(str(tmp_path), "async", summary) == [
-        str(tmp_path / "async" / "metrics.jsonl"), str(tmp_path / "seed2" / "async" / "metrics.jsonl"),
-    ]  # (seed 1's async run is not there: left out)
-    assert _seed_runs(str(tmp_path), "reflow", {}) == []  # no seeds summarized: seed 0's run, which is missing
+    assert _seed_runs(str(tmp_path), "async", summary) == {
+        0: str(tmp_path / "async" / "metrics.jsonl"), 2: str(tmp_path / "seed2" / "async" / "metrics.jsonl"),
+    }  # (seed 1's async run is not there: left out)
+    assert _seed_runs(str(tmp_path), "reflow", {}) == {}  # no seeds summarized: seed 0's run, which is missing
     sent = [
         {"uid": "long-4-681#0/0", "response_len": 28, "finish_version": 0},
         {"uid": "long-4-7#1/0", "response_len": 5, "finish_version": 3},
