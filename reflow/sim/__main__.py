@@ -53,7 +53,7 @@ import time
 from reflow.distributed.placement import parse_placement_name
 from reflow.sim.predict import PREDICTED, predict, sim_config, workload_of, world_of
 from reflow.sim.profiles import PROFILES, QWEN3_8B_H800, fit_profile, with_engine_settings
-from reflow.sim.system import SimConfig, average_runs, simulate, simulate_job
+from reflow.sim.system import SimConfig, average_runs, seeded_runs, simulate_job
 from reflow.sim.workload import REASONING_DRIFT, chain_sum_prompt_tokens, chain_sum_workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -172,10 +172,7 @@ def cmd_validate(args) -> int:
             # at least --sim-seeds simulations over the units, each with its own random stream
             config = sim_config(cfg, world, steps, bench["warmup"], mode, rollout_ranks=bench["rollout_ranks"])
             streams = max(1, -(-args.sim_seeds // len(units[mode])))
-            unit_runs = [
-                simulate(dataclasses.replace(config, seed=config.seed + k), profiles[source, unit], workload)
-                for k in range(streams)
-            ]
+            unit_runs = seeded_runs(config, profiles[source, unit], workload, streams)
             simulations += unit_runs
             if unit is not None:  # each seed's throughputs, measured and simulated: what pairing can tell apart
                 unit_sim = average_runs(unit_runs)

@@ -890,9 +890,14 @@ def simulate_seeds(cfg: SimConfig, profile: CostProfile, workload: Workload, see
     its trainer's noise from one stream, and on the long-tailed rollout-bound bench its fresh samples/s moves by
     4-6% from one seed to the next (20 seeds of the async fit: 119.1 +- 4.8): a simulation set against the mean
     of several measured runs is set against the mean of as many seeds or more."""
+    return average_runs(seeded_runs(cfg, profile, workload, seeds))
+
+
+def seeded_runs(cfg: SimConfig, profile: CostProfile, workload: Workload, seeds: int) -> list[dict]:
+    """``seeds`` simulations of ``cfg`` with seeds ``cfg.seed``, ``cfg.seed + 1``, ...: each its own random stream."""
     if seeds < 1:
         raise ValueError(f"seeds must be at least 1, got {seeds}")
-    return average_runs([simulate(replace(cfg, seed=cfg.seed + k), profile, workload) for k in range(seeds)])
+    return [simulate(replace(cfg, seed=cfg.seed + k), profile, workload) for k in range(seeds)]
 
 
 def average_runs(runs: list[dict]) -> dict:
