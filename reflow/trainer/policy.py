@@ -449,10 +449,11 @@ class PolicyTrainer:
             # through the policy's update, outside the memory plan
             self.ref_model.reshard()
         totals = torch.zeros(len(_STAT_KEYS), dtype=torch.float64)
-        max_diff = torch.zeros(1, dtype=torch.float64)
+        # maxima over the trainer ranks, in one all-reduce: the behaviour log-prob gap, and the token slots of
+        # this rank's passes summed over the step's updates (``StepStats.pass_tokens``)
+        maxima = torch.zeros(2, dtype=torch.float64)
         grad_norms, clipped_norms = [], []
         skipped = 0
-        pass_tokens = torch.zeros(1, dtype=torch.float64)
         for epoch in range(training.ppo_epochs):
             chunks = []
             for seg in segments:
@@ -471,18 +472,17 @@ class PolicyTrainer:
                 ]
                 stats = self._update(parts)
                 skipped += stats.pop("skipped")
-                pass_tokens += stats.pop("pass_tokens")
+                maxima[1] += stats.pop("pass_tokens")
                 if epoch == training.ppo_epochs - 1:  # report the last pass
                     grad_norms.append(stats.pop("grad_norm"))
                     clipped_norms.append(stats.pop("grad_norm_clipped"))
-                    max_diff[0] = max(max_diff[0].item(), stats.pop("max_diff"))
+                    maxima[0] = max(maxima[0].item(), stats.pop("max_diff"))
                     totals += torch.tensor([stats[k] for k in _STAT_KEYS], dtype=torch.float64)
         dist.all_reduce(totals, group=self.group)
-        dist.all_reduce(max_diff, op=dist.ReduceOp.MAX, group=self.group)
-        dist.all_reduce(pass_tokens, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         total = dict(zip(_STAT_KEYS, totals.tolist()))
         tokens = max(total["tokens"], 1.0)
-        gap_tokens, gap_max = tokens, max_diff.item()
+        gap_tokens, gap_max = tokens, maxima[0].item()
         if self.correction.masks:  # the mismatch over the tokens before the mask dropped the outliers
             dist.all_reduce(dropped, group=self.group)
             dist.all_reduce(dropped_max, op=dist.ReduceOp.MAX, group=self.group)
@@ -504,7 +504,7 @@ class PolicyTrainer:
             max_abs_logprob_diff=gap_max,
             off_policy_dropped_frac=dropped[0].item() / max(dropped[1].item(), 1.0),
             skipped_updates=skipped,
-            pass_tokens=int(pass_tokens.item()),
+            pass_tokens=int(maxima[1].item()),
         )
 
     def _update(self, parts: list[tuple[TrainBatch, torch.Tensor | None, torch.Tensor | None]]) -> dict[str, float]:
