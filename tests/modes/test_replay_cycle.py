@@ -1,6 +1,16 @@
 """The replay cycle, live (torchrun, real engines and trainer, CPU): on a long-tail workload, the ledger shows
-that every sample started was retired at most once, almost nothing was evicted unused, long answers survive
-as often as short ones, and nothing trained was staler than delta counted from its group's finish."""
+that every sample started was retired at most once, nothing (strict window) or almost nothing (the default
+window) was evicted unused, and nothing trained was staler than delta counted from its group's finish.
+
+The two windows promise different things (docs/decoupled_protocol.md, "The replay cycle"):
+- replay.strict_window on one trainer shard: the argument there leaves nothing out (no routing between shards,
+  no resume), so no sample may be evicted, and every length decile survives whole. Measured: 0 of 120-124
+  decided in three quiet runs.
+- the default window, two shards: a step that replays its full share can leave b sigma samples past their
+  bound, so eviction is bounded only by the issue's 5% of the decided samples. Quiet runs evicted 0 of 136-144
+  (six runs); a full-suite run on a loaded machine evicted 3 of 140, all from the longest decile (its
+  survival 0.79). A per-decile floor over ~14 samples a bin cannot hold beside a 5% bound, so the per-decile
+  survival of the default window is a benchmark's claim (many seeds, hundreds a bin), not this test's."""
 
 import collections
 
@@ -24,12 +34,13 @@ def _fates(ledgers):
     return lengths, trained, evicted, left, dropped, started
 
 
-@pytest.mark.parametrize("trainer_replicas", [1, 2])
-def test_replay_cycle_wastes_nothing_and_keeps_long_answers(tmp_path, trainer_replicas):
+@pytest.mark.parametrize("trainer_replicas,strict", [(1, True), (2, False)], ids=["strict-1-shard", "default-2-shards"])
+def test_replay_cycle_wastes_nothing_and_keeps_long_answers(tmp_path, trainer_replicas, strict):
     """reflow, 2 rollout ranks and 1 or 2 trainer shards (a replica each), 2 minibatches per step."""
     rows, ledgers = _run(
         tmp_path, 2 + trainer_replicas, "reflow", 2,
-        [*LONG_TAIL, f"--placement.trainer_replicate_degree={trainer_replicas}", "--training.num_minibatches=2"],
+        [*LONG_TAIL, f"--placement.trainer_replicate_degree={trainer_replicas}", "--training.num_minibatches=2",
+         f"--replay.strict_window={str(strict).lower()}"],
     )
     lengths, trained, evicted, left, dropped, started = _fates(ledgers)
     # every sample started is retired at most once: trained fresh once, or evicted unused once; else it was
@@ -40,12 +51,13 @@ def test_replay_cycle_wastes_nothing_and_keeps_long_answers(tmp_path, trainer_re
     assert_no_sample_lost_or_duplicated(rows, ledgers)
     decided = trained + evicted
     assert len(decided) >= 100
-    assert len(evicted) <= 0.05 * len(decided), (len(evicted), len(decided))
+    assert len(evicted) <= (0 if strict else 0.05 * len(decided)), (len(evicted), len(decided))
     # survival, trained fresh / decided, in ten equal-count bins of response length
     ordered = sorted((lengths[u], u in set(trained)) for u in decided)
     bins = [ordered[len(ordered) * k // 10 : len(ordered) * (k + 1) // 10] for k in range(10)]
     survival = [sum(kept for _, kept in b) / len(b) for b in bins]
-    assert min(survival) >= 0.9, survival
+    if strict:
+        assert survival == [1.0] * 10, survival
     assert ordered[-1][0] > 2 * ordered[len(ordered) // 2][0]  # the workload does have a long tail
     # staleness counted from the finish never exceeds delta, per sample and in every row
     assert max(c["staleness"] for led in ledgers for c in led["consumed"]) <= 2
