@@ -19,9 +19,10 @@ from tests.test_lora_training import check_lora_run
 VARIANTS = {
     "math": ("train_configs/tiny_math.toml", 120, 0.04),
     "retool": ("train_configs/tiny_retool.toml", 40, 0.08),
-    # coding: every answer's program and test run in the kernel sandbox (about 40 ms of CPU each, 150 runs a step),
-    # so its steps cost 7-10 s on two cores; 24 steps from 0.492 (256 prompts, seed 0) rose 0.145, 0.121, 0.105
-    # over three runs (mean 0.124, sd 0.020; 40 steps rose 0.184 in a full-suite run, in 1.3-1.5x the time)
+    # coding: every answer's program and test run in the kernel sandbox (about 30 ms each, 100 runs a step), so
+    # its steps cost about 3 s on two cores (6-10 s while a root worker forked for each run); 24 steps from 0.492
+    # (256 prompts, seed 0) rose 0.145, 0.121, 0.105, 0.102 over four runs (mean 0.118, sd 0.020; 40 steps rose
+    # 0.184 in a full-suite run, in 1.3-1.5x the time)
     "coding": ("train_configs/tiny_coding.toml", 24, 0.03),
     # LoRA adapters on the retool task (the base frozen, adapter syncs), 40 steps from 0.426 (256 prompts, seed 0;
     # the decoupled runs vary): rises 0.152, 0.332, 0.035 (a full-suite run), 0.242, 0.297, 0.250, 0.277, 0.355

@@ -191,11 +191,19 @@ class Mounts:
 class KernelBoundary:
     """The bwrap command line of one run (module docstring), for one host and interpreter."""
 
-    def __init__(self, bwrap: str, interpreter: InterpreterView, uid: int | None, seccomp_filter: bytes):
+    def __init__(
+        self, bwrap: str, interpreter: InterpreterView, uid: int | None, seccomp_filter: bytes, setpriv: str | None = None,
+    ):
         self.bwrap = bwrap
         self.interpreter = interpreter
         self.uid = uid
         """Host uid bwrap is started as (None: this process's)."""
+        self.setpriv = setpriv if uid is not None else None
+        """util-linux's ``setpriv``, where bwrap is started as another user and the host has it: the spawned
+        process drops to ``uid`` (real, effective and saved ids, no groups, no capabilities) and then executes
+        bwrap. Without it the worker's ``Popen(user=...)`` switches the user itself, and Python must then
+        ``fork`` rather than ``vfork``: a copy of the worker's page tables per run, which in a rollout worker
+        holding an engine costs more than the run (3 GB resident: 163 ms a run against 31 ms)."""
         self.filter = seccomp_filter
         """``seccomp.program()``: what bwrap loads before the launcher starts."""
         with open(LAUNCHER_SOURCE, "rb") as f:
@@ -215,7 +223,22 @@ class KernelBoundary:
         uid = host_user()
         if not reachable(bwrap, uid):
             raise SandboxUnavailable(f"{bwrap} is not executable by uid {uid}")
-        return cls(bwrap, interpreter_view(choose_interpreter(python, uid)), uid, seccomp_filter)
+        setpriv = shutil.which("setpriv") if uid is not None else None
+        return cls(bwrap, interpreter_view(choose_interpreter(python, uid)), uid, seccomp_filter, setpriv)
+
+    def spawn_command(self, mounts: Mounts, fds: "BwrapDescriptors", launcher_args: list[str]) -> list[str]:
+        """What the worker executes: bwrap's command line (``arguments``), behind ``setpriv`` where that switches
+        the user (setpriv executes bwrap in the same process: the pid the worker watches is bwrap's)."""
+        drop = []
+        if self.setpriv is not None:
+            drop = [self.setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--"]
+        return drop + self.arguments(mounts, fds, launcher_args)
+
+    def spawn_user(self) -> dict:
+        """``Popen``'s user switch, where ``setpriv`` does not make it (``spawn_command``)."""
+        if self.uid is None or self.setpriv is not None:
+            return {}
+        return dict(user=self.uid, group=self.uid, extra_groups=[])
 
     def arguments(
         self, mounts: Mounts, fds: "BwrapDescriptors", launcher_args: list[str],

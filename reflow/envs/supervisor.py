@@ -2,7 +2,8 @@
 
 Who waits for whom, in the kernel boundary (``reflow.envs.isolation``):
 
-  1. start     the parent spawns bwrap (the "outer" process; as the sandbox user on a root host) with the code,
+  1. start     the parent spawns bwrap (the "outer" process; as the sandbox user on a root host, through setpriv
+               where the host has it: ``KernelBoundary.spawn_command``) with the code,
                launcher and filter as memory files and stdin as a read-only one. bwrap builds the namespaces,
                writes its child's host pid on the info pipe, and waits on the block pipe. Its child becomes
                the launcher, as the sandbox's init (``--as-pid-1``: there is no other process in the
@@ -175,9 +176,9 @@ class RunProcess:
             run_bytes = (limits.memory_mb + 2 * limits.disk_mb + limits.shm_mb) << 20
             self.cgroup = RunCgroup(cgroups, run_bytes, limits.processes)
         mounts = Mounts(limits.disk_mb << 20, limits.disk_mb << 20, limits.shm_mb << 20)
-        user = dict(user=boundary.uid, group=boundary.uid, extra_groups=[]) if boundary.uid is not None else {}
         passed = (fds.code, fds.launcher, fds.seccomp, fds.info, fds.block)
-        self._spawn(boundary.arguments(mounts, fds, launcher_args), ENVIRONMENT, "/", stdin_fd, passed, user)
+        command = boundary.spawn_command(mounts, fds, launcher_args)
+        self._spawn(command, ENVIRONMENT, "/", stdin_fd, passed, boundary.spawn_user())
         for fd in passed:
             self._drop(fd)  # bwrap holds its own copies
         init_pid = _read_child_pid(info_read, deadline=time.perf_counter() + 10.0)

@@ -506,6 +506,60 @@ def test_ordinary_code_runs():
     assert "REFLOW_BATTERY_SECRET" not in result.stdout
 
 
+def _host_credentials(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.rstrip("\n").split(":", 1) for line in f)
+    return {key: " ".join(fields[key].split()) for key in ("Uid", "Gid", "Groups", "CapPrm", "CapEff", "CapInh", "CapAmb")}
+
+
+@pytest.mark.parametrize("switch", ["setpriv", "popen"])
+def test_a_root_worker_starts_each_run_as_the_unprivileged_user_either_way(switch):
+    """On a root host bwrap runs as uid and gid 65534 (real, effective, saved and filesystem ids), in no group,
+    with no capability, whether ``setpriv`` switches the user (so the worker spawns with vfork, not a copy of its
+    page tables) or ``Popen`` does (hosts without setpriv): read from the host's /proc while the run sleeps."""
+    if os.geteuid() != 0:
+        pytest.skip("the user switch is a root host's (elsewhere bwrap runs as the worker's own user)")
+    boundary = require_kernel_sandbox()
+    if switch == "setpriv":
+        if boundary.setpriv is None:
+            pytest.skip("this host has no setpriv")
+        assert boundary.spawn_user() == {}  # nothing for Popen to switch: it may vfork
+    else:
+        boundary = _without_setpriv(boundary)
+        assert boundary.spawn_user() == {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+    sandbox = Sandbox(LIMITS, boundary=boundary)
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(sandbox.run("import time\ntime.sleep(3)")))
+    runner.start()
+    seen = None
+    deadline = time.time() + 10
+    while seen is None and time.time() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+                if argv[0].endswith(b"bwrap") and b"--block-fd" in argv:
+                    seen = _host_credentials(int(pid))
+                    break
+            except (OSError, IndexError):
+                continue
+        time.sleep(0.02)
+    runner.join()
+    assert result and result[0].status == "ok", result
+    nobody = " ".join([str(SANDBOX_UID)] * 4)
+    none = "0000000000000000"
+    assert seen == {"Uid": nobody, "Gid": nobody, "Groups": "", "CapPrm": none, "CapEff": none, "CapInh": none,
+                    "CapAmb": none}, seen
+
+
+def _without_setpriv(boundary):
+    import copy
+
+    other = copy.copy(boundary)
+    other.setpriv = None
+    return other
+
+
 @pytest.mark.parametrize("code, status, says", [
     ("while True:\n    pass", "cpu_limit", "time limit exceeded (CPU)"),
     ("blocks = [bytearray(1 << 28) for _ in range(64)]", "memory_limit", "memory limit exceeded"),
