@@ -436,3 +436,21 @@ def test_a_placement_returned_to_is_measured_again_before_it_is_judged():
     # a slow window in the same stay blends in
     plan.decide(26, 1, [dict(r, step=r["step"] + 25) for r in low])
     assert plan.by_placement[1].consumption == pytest.approx(100 * 128 / 10)
+
+
+def test_a_trial_measured_slower_than_the_placement_it_left_goes_back_within_the_margin():
+    """The simulator at 32 GPUs: a trial of 1 replica measured 13.4 samples/s against 2's 14.4, inside the 10%
+    margin, and the run stayed in the slower trial for 10 of its 24 steps. A trial is a question, judged once on
+    its own rates after its cooldown: here 1 trains 16/s against 2's 17/s, and the run goes back at the
+    judgement (step 18), while a trial measured faster, within the margin too (1 at 17.5/s), is kept, and is not
+    judged again."""
+    plan = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
+    assert run(plan, measured_world({1: 160, 2: 170, 3: 120}, arrived=400), start=2, until=40) == [
+        (6, 3), (10, 2), (14, 1), (18, 2)]
+    back = next(d for d in plan.decisions if d.step == 18)
+    assert "the trial measured slower than the placement it left" in back.reason
+    assert plan.trial_from is None
+    kept = planner(horizon_steps=20, transition_cost_s=0.1, memory_steps=100, explore_budget=0.1)
+    assert run(kept, measured_world({1: 175, 2: 170, 3: 120}, arrived=400), start=2, until=40) == [
+        (6, 3), (10, 2), (14, 1)]
+    assert kept.trial_from is None and kept.state()["trial_from"] is None
