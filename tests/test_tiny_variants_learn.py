@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tests.conftest import require_kernel_sandbox, run_torchrun
-from tests.test_lora_training import check_lora_run
+from tests.lora_checks import check_lora_run
 
 # config, steps, the least rise of the held-out reward from the starting policy to the final one (measured on 256
 # prompts, paired: the same prompts and sampling seeds for both policies). The decoupled runs are not

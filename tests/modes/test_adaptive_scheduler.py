@@ -8,11 +8,11 @@ import os
 
 import torch
 
-from tests.modes.test_decoupled_modes import _run, assert_no_sample_lost_or_duplicated
+from tests.modes.decoupled_runs import assert_no_sample_lost_or_duplicated, run_decoupled
 
 
 def test_reflow_with_the_adaptive_scheduler_logs_every_decision_and_loses_nothing(tmp_path):
-    rows, ledgers = _run(
+    rows, ledgers = run_decoupled(
         tmp_path, 4, "reflow", 3,
         [
             "--training.steps=10", "--replay.sigma=0.5", "--replay.delta=2", "--weight_sync.interval=1",

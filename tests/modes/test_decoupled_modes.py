@@ -1,84 +1,19 @@
 """Decoupled modes under torchrun: each mode trains what its anchor trains, and no sample is lost or duplicated."""
 
 import collections
-import glob
 import json
 import os
 
 import pytest
 
 from tests.conftest import run_torchrun
-
-DECOUPLED_KEYS = {
-    "trainer_idle_ratio", "rollout_idle_ratio", "replay_fraction", "alpha", "staleness_max", "staleness_counts",
-    "fresh_samples", "replayed_samples", "mode", "reward_mean", "tokens_per_s", "trainer_wait_ratio",
-    "sync_stall_ratio", "loss_tokens", "loss_tokens_per_s", "fresh_samples_per_s", "masked_token_frac",
-}
-
-
-def _run(tmp_path, nproc, mode, rollout_ranks, extra=()):
-    dump = str(tmp_path / mode)
-    run_torchrun(
-        nproc,
-        [
-            "-m", "reflow.train", "--config", "train_configs/tiny.toml",
-            f"--job.dump_folder={dump}", f"--training.mode={mode}", f"--placement.num_rollout_ranks={rollout_ranks}",
-            "--training.prompts_per_step=4", "--training.group_size=4", "--rollout.max_new_tokens=24",
-            "--metrics.enable_progress_bar=false", "--checkpoint.export_hf=false", *extra,
-        ],
-    )
-    rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
-    # placement changes, placement decisions and the final policy's evaluation have rows of their own
-    rows = [row for row in rows if "transition" not in row and "planner_reason" not in row and "loss" in row]
-    ledgers = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(dump, "ledger", "rank*.json")))]
-    for row in rows:
-        assert DECOUPLED_KEYS <= set(row), DECOUPLED_KEYS - set(row)
-        # the trainer idles while it waits for data and while it stalls in a weight sync, and only then
-        assert row["trainer_idle_ratio"] == pytest.approx(row["trainer_wait_ratio"] + row["sync_stall_ratio"], abs=1e-9)
-        assert row["sync_stall_ratio"] > 0 or row["weight_sync_s"] == 0
-        # tokens carrying loss weight: at most the trained tokens (prompts carry none, a replayed row counts at tau)
-        assert 0 < row["loss_tokens"] < row["trainer_tokens"]
-        assert row["fresh_samples_per_s"] == pytest.approx(row["fresh_samples"] / row["step_time_s"], rel=1e-9)
-    return rows, ledgers
-
-
-def assert_no_sample_lost_or_duplicated(rows, ledgers):
-    """Every request a rank started (or resumed, handed over at a placement change) was sent, handed over, or was
-    unfinished at the stop; every partial rollout handed over was resumed once; every group sent reaches the shard
-    it was bound to when it finished, once; a sample moved between shards leaves one and reaches the other; a
-    shard that leaves the trainer pool hands each unused sample to one staying shard; and every sample sent (or restored
-    unused from a checkpoint) is trained fresh exactly once, evicted
-    unused, or still unused at the end.
-    The metrics count exactly the samples consumed. (Every rank's ledger covers all the roles it had.)"""
-    for led in ledgers:  # a partial rollout handed over at a placement change is sent by the worker that resumed it
-        accounted = [e["uid"] for e in led["sent"]] + led["dropped_at_stop"] + led["handed_out"]
-        assert collections.Counter(accounted) == collections.Counter(led["started"] + led["handed_in"]), led["rank"]
-    handed_out = collections.Counter(u for led in ledgers for u in led["handed_out"])
-    assert handed_out == collections.Counter(u for led in ledgers for u in led["handed_in"])
-    sent = [e["uid"] for led in ledgers for e in led["sent"]]
-    assert sent and len(set(sent)) == len(sent)
-    received = [u for led in ledgers for u in led["received"]]
-    assert collections.Counter(received) == collections.Counter(sent)
-    routed = {e["uid"]: e["to"] for led in ledgers for e in led["sent"]}
-    for led in ledgers:
-        assert all(routed[u] == led["rank"] for u in led["received"])
-    handed_over = collections.Counter(u for led in ledgers for u in led["handed_over_unused"])
-    assert handed_over == collections.Counter(u for led in ledgers for u in led["handed_in_unused"])
-    moved_out = collections.Counter(u for led in ledgers for u in led["moved_out"])  # a short shard took a surplus
-    assert moved_out == collections.Counter(u for led in ledgers for u in led["moved_in"])
-    consumed = [c["uid"] for led in ledgers for c in led["consumed"]]
-    assert len(consumed) == len(set(consumed))  # a sample is fresh once, on one shard
-    fate = consumed + [u for led in ledgers for u in led["evicted_unused"] + led["left_unused"]]
-    # a resumed run also owes a fate to the unused samples its checkpoint's buffers held
-    restored_unused = [r["uid"] for led in ledgers for r in led.get("restored", []) if r["use_count"] == 0]
-    assert collections.Counter(fate) == collections.Counter(sent + restored_unused)
-    assert sum(r["fresh_samples"] for r in rows) == len(consumed)
+from tests.modes.decoupled_runs import assert_no_sample_lost_or_duplicated, run_decoupled
 
 
 def test_one_step_off_trains_only_samples_of_the_previous_policy(tmp_path):
     """2 trainer shards + 1 rollout rank: step 1 trains version 0's samples at version 0, and every later step
     trains only samples exactly one version old, while the current policy generates the next batch."""
-    rows, ledgers = _run(tmp_path, 3, "one_step_off", 1, ["--training.steps=6"])
+    rows, ledgers = run_decoupled(tmp_path, 3, "one_step_off", 1, ["--training.steps=6"])
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[0]["staleness_counts"] == [16, 0]
     assert all(r["staleness_counts"] == [0, 16] for r in rows[1:]), [r["staleness_counts"] for r in rows]
@@ -95,8 +30,8 @@ def test_one_step_off_resumes_without_waiting_for_a_version_that_was_never_gener
     """After a resume at version 3 the engines only hold version 3: the first step trains those samples, and
     every later step trains samples exactly one version old again."""
     extra = ["--training.steps=3", "--checkpoint.enable=true", "--checkpoint.interval=3"]
-    _run(tmp_path, 2, "one_step_off", 1, extra)
-    rows, ledgers = _run(tmp_path, 2, "one_step_off", 1, ["--training.steps=6", "--checkpoint.enable=true"])
+    run_decoupled(tmp_path, 2, "one_step_off", 1, extra)
+    rows, ledgers = run_decoupled(tmp_path, 2, "one_step_off", 1, ["--training.steps=6", "--checkpoint.enable=true"])
     resumed = [r for r in rows if r["step"] > 3]
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert resumed[0]["staleness_counts"] == [16, 0]
@@ -108,7 +43,7 @@ def test_one_step_off_resumes_without_waiting_for_a_version_that_was_never_gener
 def async_run(tmp_path_factory):
     """One async run for two tests: 1 trainer + 2 rollout ranks, delta 3, a sync every 2 steps, evaluating 16
     held-out prompts at every sync."""
-    return _run(
+    return run_decoupled(
         tmp_path_factory.mktemp("async"), 3, "async", 2,
         ["--training.steps=8", "--replay.delta=3", "--weight_sync.interval=2", "--metrics.eval_interval=2",
          "--metrics.eval_num_prompts=16"],
@@ -141,7 +76,7 @@ def test_reflow_two_replicas_two_rollout_ranks_no_sample_lost_or_duplicated(tmp_
     """4 ranks: 2 trainer replicas (HSDP 2x1, a buffer shard each) fed by 2 rollout ranks, 2 minibatch updates
     per step. Every sample sent arrives at exactly one shard, once; each batch holds >= b(1 - sigma) fresh
     samples, at most b sigma replayed ones, none staler than delta; every rollout rank feeds every shard."""
-    rows, ledgers = _run(
+    rows, ledgers = run_decoupled(
         tmp_path, 4, "reflow", 2,
         ["--training.steps=6", "--replay.sigma=0.5", "--replay.delta=3", "--weight_sync.interval=2",
          "--placement.trainer_replicate_degree=2", "--training.num_minibatches=2"],
@@ -225,7 +160,7 @@ def test_reflow_dynamic_sampling_drops_uniform_groups_and_still_fills_each_batch
     rewards are all equal retire on arrival (eviction cause no_signal) and never train, yet every step still
     trains a full batch with its fresh share, because filtered samples give their B_max credit back; nothing
     is lost or duplicated."""
-    rows, ledgers = _run(
+    rows, ledgers = run_decoupled(
         tmp_path, 2, "reflow", 1,
         ["--training.steps=5", "--training.prompts_per_step=8", "--reward.dynamic_sampling=true", "--replay.sigma=0.25"],
     )

@@ -5,11 +5,11 @@ import collections
 import json
 import os
 
-from tests.modes.test_decoupled_modes import _run, assert_no_sample_lost_or_duplicated
+from tests.modes.decoupled_runs import assert_no_sample_lost_or_duplicated, run_decoupled
 
 
 def test_reflow_run_changes_placement_both_ways_and_loses_nothing(tmp_path):
-    rows, ledgers = _run(
+    rows, ledgers = run_decoupled(
         tmp_path, 4, "reflow", 2,
         [
             "--training.steps=12", "--replay.sigma=0.5", "--replay.delta=2", "--weight_sync.interval=2",
@@ -40,7 +40,7 @@ def test_reflow_run_changes_placement_both_ways_and_loses_nothing(tmp_path):
     # checkpoint records the decision, so the resumed run (started as T2x1+R2) takes up T1x1+R3 before its
     # first step, as the uninterrupted run did, and the schedule's next change still happens
     checkpoints = os.path.join(tmp_path, "reflow", "checkpoint")
-    resumed, resumed_ledgers = _run(
+    resumed, resumed_ledgers = run_decoupled(
         tmp_path / "resumed", 4, "reflow", 2,
         [
             "--training.steps=10", "--replay.sigma=0.5", "--replay.delta=2", "--weight_sync.interval=2",

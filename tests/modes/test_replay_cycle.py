@@ -16,7 +16,7 @@ import collections
 
 import pytest
 
-from tests.modes.test_decoupled_modes import _run, assert_no_sample_lost_or_duplicated
+from tests.modes.decoupled_runs import assert_no_sample_lost_or_duplicated, run_decoupled
 
 LONG_TAIL = [
     "--task.train_file=assets/data/chain_sum_long_train.jsonl", "--rollout.max_new_tokens=96",
@@ -37,7 +37,7 @@ def _fates(ledgers):
 @pytest.mark.parametrize("trainer_replicas,strict", [(1, True), (2, False)], ids=["strict-1-shard", "default-2-shards"])
 def test_replay_cycle_wastes_nothing_and_keeps_long_answers(tmp_path, trainer_replicas, strict):
     """reflow, 2 rollout ranks and 1 or 2 trainer shards (a replica each), 2 minibatches per step."""
-    rows, ledgers = _run(
+    rows, ledgers = run_decoupled(
         tmp_path, 2 + trainer_replicas, "reflow", 2,
         [*LONG_TAIL, f"--placement.trainer_replicate_degree={trainer_replicas}", "--training.num_minibatches=2",
          f"--replay.strict_window={str(strict).lower()}"],
