@@ -30,3 +30,19 @@ def test_the_summary_counts_steps_past_the_warm_up_and_each_placement():
     assert out["steps_per_placement"] == {"T2x1+R2": 3, "T1x1+R3": 2}
     assert out["decisions"] == [{"step": 3, "planner_current_replicas": 2, "planner_target_replicas": 1,
                                  "planner_reason": "rollout-bound"}]
+
+
+def test_rounds_rotate_the_order_and_the_target_is_judged_on_means():
+    """Round 1 runs the adaptive run last, round 2 first; the best static split is the best mean over the rounds,
+    and each round's ratio is against that split."""
+    from reflow.bench.placement import judge, round_orders
+
+    assert round_orders(2) == [["static_1:3", "static_2:2", "static_3:1", "adaptive"],
+                               ["adaptive", "static_1:3", "static_2:2", "static_3:1"]]
+    tokens = [{"static_1:3": 100.0, "static_2:2": 120.0, "static_3:1": 90.0, "adaptive": 96.0},
+              {"static_1:3": 120.0, "static_2:2": 110.0, "static_3:1": 80.0, "adaptive": 121.0}]
+    judged = judge([{name: {"tokens_per_s": value} for name, value in r.items()} for r in tokens])
+    assert judged["best_static"] == "static_2:2"  # means 110, 115 and 85
+    assert judged["tokens_per_s"]["adaptive"] == 108.5
+    assert judged["adaptive_vs_best_static"] == 108.5 / 115.0 and not judged["met"]
+    assert judged["per_round"] == [96.0 / 120.0, 121.0 / 110.0]

@@ -13,7 +13,13 @@ Each run's tokens/s (trained tokens over the step seconds past the warm-up steps
 static split's on the same workload: adaptive / best static, target >= 0.95 on each. The JSON keeps every run's
 numbers, its placement per step and the planner's decisions (the adaptive run's placement rows).
 
-    python -m reflow.bench placement [--time-budget 90] [--workloads rollout_heavy,trainer_heavy] [--out ...]
+This machine's speed drifts between runs minutes apart (one session's static splits moved by up to 12% from one
+bench to the next, and one bench's adaptive runs, both run last, came out 0.85x and 0.78x while the planner
+stood in the best split or the second-best for most of their steps). ``--rounds N`` runs every configuration N
+times, each round in an order rotated by one (the adaptive run last in the first round, first in the second),
+and judges the mean tokens/s of each configuration over the rounds; the JSON also keeps each round's ratio.
+
+    python -m reflow.bench placement [--time-budget 90] [--rounds 1] [--workloads rollout_heavy,trainer_heavy]
 """
 
 from __future__ import annotations
@@ -51,9 +57,30 @@ def placement_overrides(run: str) -> list[str]:
     return out + (["--scheduler.adaptive_placement=true"] if run == "adaptive" else ["--scheduler.adaptive_placement=false"])
 
 
-def run_one(workload: str, run: str, args) -> dict:
+RUNS = [*STATIC, "adaptive"]
+
+
+def round_orders(rounds: int) -> list[list[str]]:
+    """Each round's run order: the static splits then the adaptive run, rotated right by one more each round (so
+    the adaptive run goes last, then first)."""
+    return [RUNS[-k % len(RUNS):] + RUNS[:-k % len(RUNS)] for k in range(rounds)]
+
+
+def judge(rounds: list[dict[str, dict]]) -> dict:
+    """Adaptive against the best static split over the rounds: each configuration's mean tokens/s, the best
+    static split by that mean, their ratio (the target's), and each round's own ratio against the same split."""
+    mean = {name: sum(r[name]["tokens_per_s"] for r in rounds) / len(rounds) for name in RUNS}
+    best = max(STATIC, key=mean.__getitem__)
+    ratio = mean["adaptive"] / mean[best]
+    return {
+        "tokens_per_s": mean, "best_static": best, "adaptive_vs_best_static": ratio, "met": ratio >= TARGET,
+        "per_round": [r["adaptive"]["tokens_per_s"] / r[best]["tokens_per_s"] for r in rounds],
+    }
+
+
+def run_one(workload: str, run: str, args, round_name: str = "") -> dict:
     config, extra = WORKLOADS[workload]
-    dump = os.path.join(args.work_dir, workload, run.replace(":", "-"))
+    dump = os.path.join(args.work_dir, workload, round_name, run.replace(":", "-"))
     shutil.rmtree(dump, ignore_errors=True)  # the bench's own folder: a run there starts afresh (reflow.run_record)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port", str(free_port()),
@@ -106,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=90.0, help="training seconds per run (equal wall-clock)")
     ap.add_argument("--steps", type=int, default=1000, help="step cap; the time budget normally ends the run")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every configuration, each round in a rotated order")
     ap.add_argument("--work-dir", default="outputs/bench_placement")
     ap.add_argument("--out", default="outputs/bench_placement/placement.json")
     args = ap.parse_args(argv)
@@ -113,21 +141,28 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         ap.error(f"--workloads: unknown {', '.join(unknown)} (known: {', '.join(WORKLOADS)})")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     result: dict = {"benchmark": "placement", "world_size": WORLD, "time_budget_s": args.time_budget,
-                    "warmup_steps": args.warmup, "target": TARGET, "workloads": {}}
+                    "warmup_steps": args.warmup, "rounds": args.rounds, "target": TARGET, "workloads": {}}
     for workload in workloads:
-        runs = {}
-        for run in [*STATIC, "adaptive"]:
-            print(f"[bench] {workload}: {run} ...", file=sys.stderr, flush=True)
-            runs[run] = run_one(workload, run, args)
-        best = max(STATIC, key=lambda name: runs[name]["tokens_per_s"])
-        ratio = runs["adaptive"]["tokens_per_s"] / runs[best]["tokens_per_s"]
+        rounds = []
+        for index, order in enumerate(round_orders(args.rounds)):
+            runs = {}
+            for run in order:
+                print(f"[bench] {workload}: round {index + 1}/{args.rounds} {run} ...", file=sys.stderr, flush=True)
+                runs[run] = run_one(workload, run, args, "" if args.rounds == 1 else f"round{index + 1}")
+            rounds.append(runs)
+        judged = judge(rounds)
         result["workloads"][workload] = {
-            "config": WORKLOADS[workload][0], "overrides": WORKLOADS[workload][1], "runs": runs,
-            "best_static": best, "adaptive_vs_best_static": ratio, "met": ratio >= TARGET,
+            "config": WORKLOADS[workload][0], "overrides": WORKLOADS[workload][1],
+            "runs": rounds[0] if args.rounds == 1 else {name: [r[name] for r in rounds] for name in rounds[0]},
+            **judged,
         }
-        print(f"{workload}: " + "  ".join(f"{name} {runs[name]['tokens_per_s']:.0f}" for name in runs)
-              + f"  adaptive / best static ({best}) {ratio:.3f}", flush=True)
+        print(f"{workload}: " + "  ".join(f"{name} {value:.0f}" for name, value in judged["tokens_per_s"].items())
+              + f"  adaptive / best static ({judged['best_static']}) {judged['adaptive_vs_best_static']:.3f}"
+              + (f"  per round {' '.join(f'{x:.3f}' for x in judged['per_round'])}" if args.rounds > 1 else ""),
+              flush=True)
     result["met"] = all(w["met"] for w in result["workloads"].values())
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
