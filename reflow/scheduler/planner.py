@@ -71,21 +71,23 @@ replicas, and so how many rollout ranks, the run should have. Plain Python: meas
    and later ones showed (a placement judged before a window of its own, a length trend read in noise, a
    placement left or returned to judged on the rates of the moment it was left, the idle waiver between measured
    placements) gave 0.886/0.930, 0.622/0.979, 0.874/0.862, 0.759/0.888 and, with all of them, 0.973/0.917
-   (docs/results/placement_planner_stays.json). With a trial judged once (step 8), one round gave 0.854/0.779
-   with both adaptive runs last (docs/results/placement_trial_judged_once_1round.json), and two rounds in rotated
-   order (``--rounds 2``) 0.954/0.890 on the means, per round 0.815 and 1.128, 0.930 and 0.853
-   (docs/results/placement_rounds2_trial_judged_once.json): the trainer-heavy run's second round left 2
-   replicas for 1 on one window of 2's new stay and stood in 1:3, 0.88x of 2:2, for 87 steps (a placement
-   remembered by a stay of one window). The static splits themselves moved by up to 12% from run to run, and a
-   90 s run is 125 to 230 steps: each trial of a neighbour costs 4 to 10 steps at 0.75-0.85x, and the
-   memory forgets and tries again once a run; in its best placement the adaptive run trains as fast as the static
-   split (2176 against 2092 tokens/s in steps 56-112 of the last trainer-heavy run). In the simulator (Qwen3-8B
-   profile, drifting workload, ``python -m reflow.sim compare --scales 8,32,128 --steps 24``) adaptive placement
-   reached 1.13x, 0.96x and 1.18x the best static split while a trial was judged with the margin (at 32 GPUs it
-   spent 16 of the 24 steps trying 1 and 3 replicas around the best, 2), and reaches 1.13x, 1.01x and 1.21x with
-   a trial judged once without it (docs/results/sim_compare_trial_judged_once.json). (The earlier 1.17x at 32
-   GPUs came from a run that left each trial of 1 replica before measuring it and so went between 1 and 2
-   replicas every 2 steps, which the simulator found faster than either.)
+   (docs/results/placement_planner_stays.json). With a trial judged once (step 8), one round gave 0.854/0.779 with
+   both adaptive runs last (docs/results/placement_trial_judged_once_1round.json), and two rounds in rotated order
+   (``--rounds 2``) 0.954/0.890 on the means, per round 0.815 and 1.128, 0.930 and 0.853
+   (docs/results/placement_rounds2_trial_judged_once.json): the trainer-heavy run's second round left 2 replicas for
+   1 on one window of 2's new stay and stood in 1:3, 0.88x of 2:2, for 87 steps (a placement remembered by a stay of
+   one window); two more trainer-heavy rounds gave 0.872 and 0.651, 0.821 over the four
+   (docs/results/placement_trainer_heavy_rounds34_trial_judged_once.json): each left 2:2 after a stay of 4-6 steps
+   whose own rates came out below the static 2:2 run's, and settled in 1:3 or 3:1. The static splits themselves
+   moved by up to 12% from run to run, and a 90 s run is 125 to 230 steps: each trial of a neighbour costs 4 to 10
+   steps at 0.75-0.85x, and the memory forgets and tries again once a run; in its best placement the adaptive run
+   trains as fast as the static split (2176 against 2092 tokens/s in steps 56-112 of the last trainer-heavy run).
+   In the simulator (Qwen3-8B profile, drifting workload, ``python -m reflow.sim compare --scales 8,32,128 --steps
+   24``) adaptive placement reached 1.13x, 0.96x and 1.18x the best static split while a trial was judged with the
+   margin (at 32 GPUs it spent 16 of the 24 steps trying 1 and 3 replicas around the best, 2), and reaches 1.13x,
+   1.01x and 1.21x with a trial judged once without it (docs/results/sim_compare_trial_judged_once.json). (The
+   earlier 1.17x at 32 GPUs came from a run that left each trial of 1 replica before measuring it and so went
+   between 1 and 2 replicas every 2 steps, which the simulator found faster than either.)
 """
 
 from __future__ import annotations
