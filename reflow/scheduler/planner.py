@@ -95,8 +95,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 TIE = 0.02
-EXPLORING = "exploring"
-"""How the reason of a trial's move begins (step 8)."""
 """Candidates whose predicted throughput is within this fraction of the best are tied (step 4)."""
 
 
@@ -309,6 +307,8 @@ class PlacementDecision:
     predicted_length: float | None = None
     predicted_saving_s: float | None = None
     transition_cost_s: float | None = None
+    trial: bool = False
+    """The move tries an unmeasured neighbour (step 8): it is judged once, after its cooldown."""
 
     def as_row(self) -> dict:
         """For metrics.jsonl: the inputs, every candidate's prediction and the outcome."""
@@ -524,7 +524,7 @@ class PlacementPlanner:
         if decision.target is not None:
             self.last_change_step = step
             self.left = replicas
-            self.trial_from = replicas if decision.reason.startswith(EXPLORING) else None
+            self.trial_from = replicas if decision.trial else None
             self.settled = False
             self.idle_streak = {"trainer": 0, "rollout": 0}
         self.decisions.append(decision)
@@ -549,8 +549,8 @@ class PlacementPlanner:
         if trial is None:
             return decision
         return replace(
-            decision, target=trial.replicas,
-            reason=f"{EXPLORING} {trial.replicas} replicas, never measured (predicted {trial.throughput:.3g} samples/s, "
+            decision, target=trial.replicas, trial=True,
+            reason=f"exploring {trial.replicas} replicas, never measured (predicted {trial.throughput:.3g} samples/s, "
                    f"next to the best measured placement); {decision.reason}",
         )
 
@@ -564,17 +564,19 @@ class PlacementPlanner:
             rates=rates, candidates=candidates, predicted_length=self.predicted_length(rates),
             predicted_saving_s=saving, transition_cost_s=self.transition_cost_s,
         )
-        judged = step - self.last_change_step >= settings.cooldown_steps and not self.measuring(step, replicas)
+        cooling = step - self.last_change_step < settings.cooldown_steps
+        measuring = self.measuring(step, replicas)
         # a trial is judged once, on its own rates, after its cooldown: the placement it left, measured faster,
         # takes the run back without the margin (both are measurements, and the trial was only ever a question)
-        ends_trial = judged and self.trial_from is not None and chosen.replicas == self.trial_from and chosen.measured
-        if judged:
+        ends_trial = False
+        if not cooling and not measuring:
+            ends_trial = self.trial_from is not None and chosen.replicas == self.trial_from and chosen.measured
             self.trial_from = None
         if chosen.replicas == replicas:
             return PlacementDecision(step, replicas, None, "the current placement is predicted best", **detail)
-        if step - self.last_change_step < settings.cooldown_steps:
+        if cooling:
             return PlacementDecision(step, replicas, None, "cooling down after the last change", **detail)
-        if self.measuring(step, replicas):
+        if measuring:
             return PlacementDecision(step, replicas, None, "measuring the current placement before judging it", **detail)
         # a trainer starving for windows wants more rollout ranks (fewer replicas); idle rollout ranks, more replicas
         idle_side = next(
