@@ -223,8 +223,7 @@ class KernelBoundary:
         uid = host_user()
         if not reachable(bwrap, uid):
             raise SandboxUnavailable(f"{bwrap} is not executable by uid {uid}")
-        setpriv = shutil.which("setpriv") if uid is not None else None
-        return cls(bwrap, interpreter_view(choose_interpreter(python, uid)), uid, seccomp_filter, setpriv)
+        return cls(bwrap, interpreter_view(choose_interpreter(python, uid)), uid, seccomp_filter, shutil.which("setpriv"))
 
     def spawn_command(self, mounts: Mounts, fds: "BwrapDescriptors", launcher_args: list[str]) -> list[str]:
         """What the worker executes: bwrap's command line (``arguments``), behind ``setpriv`` where that switches

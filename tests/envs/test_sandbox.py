@@ -33,7 +33,7 @@ import uuid
 
 import pytest
 
-from reflow.envs.isolation import SANDBOX_UID
+from reflow.envs.isolation import SANDBOX_UID, KernelBoundary
 from reflow.envs.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, checked_boundary
 from reflow.tasks.base import Problem
 from reflow.tasks.retool import PythonInterpreter
@@ -525,7 +525,7 @@ def test_a_root_worker_starts_each_run_as_the_unprivileged_user_either_way(switc
             pytest.skip("this host has no setpriv")
         assert boundary.spawn_user() == {}  # nothing for Popen to switch: it may vfork
     else:
-        boundary = _without_setpriv(boundary)
+        boundary = KernelBoundary(boundary.bwrap, boundary.interpreter, boundary.uid, boundary.filter)  # no setpriv
         assert boundary.spawn_user() == {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
     sandbox = Sandbox(LIMITS, boundary=boundary)
     result: list = []
@@ -550,14 +550,6 @@ def test_a_root_worker_starts_each_run_as_the_unprivileged_user_either_way(switc
     none = "0000000000000000"
     assert seen == {"Uid": nobody, "Gid": nobody, "Groups": "", "CapPrm": none, "CapEff": none, "CapInh": none,
                     "CapAmb": none}, seen
-
-
-def _without_setpriv(boundary):
-    import copy
-
-    other = copy.copy(boundary)
-    other.setpriv = None
-    return other
 
 
 @pytest.mark.parametrize("code, status, says", [
